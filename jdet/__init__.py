@@ -1,0 +1,12 @@
+"""jdet: deterministic, batch-invariant Pallas kernels for JAX.
+
+Every op promises that output row ``i`` (a token, one matrix of a batch) is
+bitwise independent of the other rows, of padding, chunking, ``jit`` and
+``vmap``, and identical run after run, forward and backward.
+"""
+
+from jdet.matmul import matmul, matmul_reference
+
+__version__ = "0.1.0"
+
+__all__ = ["matmul", "matmul_reference"]

@@ -1,0 +1,174 @@
+"""``jdet.matmul``: a GEMM whose every output row is bitwise independent of the batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jdet._backend import as_array, check_float, check_ndim, use_interpret
+from pallas_kernels import matmul as kernels
+from pallas_kernels._common import pad_axis
+
+
+@dataclasses.dataclass(frozen=True)
+class _GemmConfig:
+  precision: lax.Precision | None
+  out_dtype: np.dtype
+  interpret: bool
+
+
+def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None):
+  """Batch-invariant ``a @ b`` with a fixed float32 reduction order.
+
+  Args:
+    a: ``[..., M, K]`` activations (rows are tokens). bfloat16, float16 or float32.
+    b: ``[K, N]`` shared weight, or ``[..., K, N]`` whose leading dims broadcast
+      with ``a``'s like :func:`jax.numpy.matmul`.
+    precision: ``None``/``DEFAULT`` lets float32 inputs use TF32 on the GPU;
+      ``jax.lax.Precision.HIGHEST`` gives IEEE float32 products. bf16/f16
+      inputs always multiply exactly and accumulate in float32. CPU is always
+      IEEE float32.
+    preferred_element_type: output dtype; defaults to ``jnp.result_type(a, b)``.
+    interpret: ``None`` picks by platform (Triton on GPU, interpret on CPU).
+
+  Returns:
+    ``[..., M, N]``. Mixed input dtypes are cast to ``jnp.result_type(a, b)``;
+    accumulation is always float32 and the result is rounded once.
+
+  Invariance: row ``i`` of the result depends only on ``a``'s row ``i`` and on
+  ``b``: not on M, on the row's position, on padding rows, on ``jit``/``vmap``,
+  nor on the run. The contraction runs in fixed 64-wide steps in increasing
+  order (zero-padding K does not change a row). Under ``jax.grad``, ``dA`` has
+  the same property and ``dB`` is reduced over rows in a fixed order: appending
+  rows whose cotangent is zero leaves it bitwise unchanged.
+  """
+  a = as_array("a", a)
+  b = as_array("b", b)
+  check_ndim("a", a, 2, "[..., M, K]")
+  check_ndim("b", b, 2, "[K, N] or [..., K, N]")
+  check_float("a", a)
+  check_float("b", b)
+  m, k = a.shape[-2:]
+  if b.shape[-2] != k:
+    raise ValueError(
+        f"b must have K = {k} rows to match a's last dim (a: {a.shape}), got b: {b.shape}")
+  n = b.shape[-1]
+  if k < 1 or n < 1:
+    raise ValueError(f"K and N must be >= 1, got a: {a.shape}, b: {b.shape}")
+  try:
+    batch = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+  except ValueError:
+    raise ValueError(
+        f"batch dims of a {a.shape[:-2]} and b {b.shape[:-2]} do not broadcast") from None
+  compute_dtype = jnp.result_type(a.dtype, b.dtype)
+  out_dtype = jnp.dtype(preferred_element_type or compute_dtype)
+  if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
+    raise TypeError(
+        f"preferred_element_type must be bfloat16, float16 or float32, got {out_dtype}")
+  if precision is not None:
+    precision = lax.Precision(precision)
+  config = _GemmConfig(precision, out_dtype, use_interpret(interpret, a, b))
+  a = a.astype(compute_dtype)
+  b = b.astype(compute_dtype)
+  if a.size == 0 or b.size == 0:
+    return jnp.zeros((*batch, m, n), out_dtype)
+  if b.ndim == 2:
+    out = _gemm(a.reshape(1, -1, k), b[None], config)
+    return out.reshape(*a.shape[:-1], n)
+  return _batched(a, b, batch, config)
+
+
+def _batched(a, b, batch, config):
+  """Folds the batch dims that ``b`` broadcasts over into rows, the rest into groups."""
+  m, k = a.shape[-2:]
+  n = b.shape[-1]
+  nb = len(batch)
+  a = a.reshape((1,) * (nb - a.ndim + 2) + a.shape)
+  b = b.reshape((1,) * (nb - b.ndim + 2) + b.shape)
+  group_axes = [i for i in range(nb) if b.shape[i] != 1]
+  row_axes = [i for i in range(nb) if b.shape[i] == 1]
+  a = _broadcast_fixed_order(a, tuple(batch) + (m, k))
+  perm = group_axes + row_axes + [nb, nb + 1]
+  groups = [batch[i] for i in group_axes]
+  rows = [batch[i] for i in row_axes]
+  a3 = a.transpose(perm).reshape(int(np.prod(groups)), -1, k)
+  b3 = b.transpose(perm).reshape(int(np.prod(groups)), k, n)
+  out = _gemm(a3, b3, config).reshape(*groups, *rows, m, n)
+  return out.transpose(np.argsort(perm))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _broadcast_fixed_order(x, shape):
+  return jnp.broadcast_to(x, shape)
+
+
+def _broadcast_fwd(x, shape):
+  return jnp.broadcast_to(x, shape), x.shape
+
+
+def _broadcast_bwd(shape, x_shape, g):
+  """Sums the broadcast copies one at a time, in index order (never a tree)."""
+  for axis, size in enumerate(x_shape):
+    if size == 1 and g.shape[axis] != 1:
+      moved = jnp.moveaxis(g, axis, 0)
+      total = lax.fori_loop(1, moved.shape[0], lambda i, acc: acc + moved[i], moved[0])
+      g = jnp.expand_dims(total, axis)
+  return (g,)
+
+
+_broadcast_fixed_order.defvjp(_broadcast_fwd, _broadcast_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gemm(a, b, config: _GemmConfig):
+  """a: [G, R, K]; b: [Gb, K, N] with Gb in {1, G}; returns [G, R, N]."""
+  a_p = pad_axis(a, 2, kernels.BLOCK_K)
+  b_p = pad_axis(b, 1, kernels.BLOCK_K)
+  return kernels.matmul(
+      a_p, b_p, transpose_b=False, out_dtype=config.out_dtype,
+      precision=config.precision,
+      tiles=kernels.matmul_tiles(a.shape[1], interpret=config.interpret),
+      interpret=config.interpret)
+
+
+def _gemm_fwd(a, b, config):
+  return _gemm(a, b, config), (a, b)
+
+
+def _gemm_bwd(config, residuals, dc):
+  a, b = residuals
+  g, r, k = a.shape
+  n = b.shape[2]
+  dtype = jnp.result_type(dc.dtype, a.dtype)
+  dc = dc.astype(dtype)
+  # dA = dC @ Bᵀ: the same invariant kernel, contracting over N in fixed steps.
+  da = kernels.matmul(
+      pad_axis(dc, 2, kernels.BLOCK_K), pad_axis(b.astype(dtype), 2, kernels.BLOCK_K),
+      transpose_b=True, out_dtype=a.dtype, precision=config.precision,
+      tiles=kernels.matmul_tiles(r, interpret=config.interpret),
+      interpret=config.interpret)
+  # dB = Aᵀ @ dC: reduced over rows (all groups' rows when b is shared) in
+  # fixed 64-row steps; zero rows pad the last step.
+  if b.shape[0] == 1:
+    a, dc = a.reshape(1, g * r, k), dc.reshape(1, g * r, n)
+  db = kernels.matmul_at_b(
+      pad_axis(a.astype(dtype), 1, kernels.BLOCK_K), pad_axis(dc, 1, kernels.BLOCK_K),
+      out_dtype=b.dtype, precision=config.precision,
+      tiles=kernels.at_b_tiles(k, n, interpret=config.interpret),
+      interpret=config.interpret)
+  return da, db
+
+
+_gemm.defvjp(_gemm_fwd, _gemm_bwd)
+
+
+def matmul_reference(a, b, *, precision=lax.Precision.HIGHEST, preferred_element_type=None):
+  """Plain ``jnp.matmul`` with float32 accumulation (not batch-invariant)."""
+  out_dtype = preferred_element_type or jnp.result_type(a, b)
+  return jnp.matmul(a, b, precision=precision,
+                    preferred_element_type=jnp.float32).astype(out_dtype)

@@ -1,0 +1,77 @@
+"""Helpers shared by every kernel family: sizes, padding, masks, compiler params."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as pltriton
+
+
+def cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def round_up(a: int, multiple: int) -> int:
+  return cdiv(a, multiple) * multiple
+
+
+def pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+  """Zero-pads ``x`` along ``axis`` up to the next multiple of ``multiple``."""
+  size = x.shape[axis]
+  extra = round_up(size, multiple) - size
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths)
+
+
+def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def block_mask(start, block: int, limit: int):
+  """Boolean [block] vector: which of the indices start..start+block-1 are < limit."""
+  return start + jnp.arange(block) < limit
+
+
+def load_block(ref, rows=None, cols=None):
+  """Loads a 2-D block, zero-filling the rows/columns whose mask is False.
+
+  ``rows``/``cols`` are boolean vectors from :func:`block_mask`, or ``None`` when
+  the block is statically known to lie inside the array (no mask, no cost).
+  """
+  if rows is None and cols is None:
+    return ref[...]
+  if rows is None:
+    mask = cols[None, :]
+  elif cols is None:
+    mask = rows[:, None]
+  else:
+    mask = rows[:, None] & cols[None, :]
+  return pltriton.load(ref, mask=mask, other=0)
+
+
+def store_block(ref, value, rows=None, cols=None):
+  """Stores a 2-D block, skipping the rows/columns whose mask is False."""
+  if rows is None and cols is None:
+    ref[...] = value
+    return
+  if rows is None:
+    mask = cols[None, :]
+  elif cols is None:
+    mask = rows[:, None]
+  else:
+    mask = rows[:, None] & cols[None, :]
+  pltriton.store(ref, value, mask=mask)
+
+
+__all__ = [
+    "block_mask",
+    "cdiv",
+    "compiler_params",
+    "load_block",
+    "pad_axis",
+    "round_up",
+    "store_block",
+]

@@ -1,0 +1,187 @@
+"""Batch-invariant GEMM kernels.
+
+Numerics contract (what makes a row's bits independent of the batch): every
+output element is the sum over the contraction dimension taken in steps of
+``BLOCK_K`` = 64, in increasing order, each step's product added to one float32
+accumulator that starts at zero; the result is rounded to the output dtype once,
+at the end. Tile shape (``block_m``, ``block_n``), warps and stages only decide
+which program computes an element, never that order, so the dispatcher may pick
+them from M. The contraction dimension must be zero-padded to a multiple of
+``BLOCK_K`` by the caller (zeros add nothing to a finite sum).
+
+Kernels:
+  * :func:`matmul_kernel` - ``C[g] = A[g] @ B[g]`` or ``A[g] @ B[g]ᵀ`` (forward, dA).
+  * :func:`matmul_at_b_kernel` - ``C[g] = A[g]ᵀ @ D[g]``, reduced over rows in
+    ``BLOCK_K`` steps (dB): appending rows whose D is zero adds exact zeros.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels._common import (block_mask, cdiv, compiler_params,
+                                    load_block, store_block)
+
+BLOCK_K = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulTiles:
+  """Output tile of one program and its Triton launch parameters."""
+  block_m: int
+  block_n: int
+  num_warps: int
+  num_stages: int
+
+
+# Forward / dA tiles on the GPU, by the largest M a row serves. Only the tile
+# shape and launch parameters change with M; BLOCK_K and the K order do not.
+# Chosen on the H100 (jax 0.11.2, bf16, K=N=4096; benchmarks/results/h100.md):
+# small M wants narrow N tiles so that N/block_n programs cover the 132 SMs.
+GPU_MATMUL_TABLE: tuple[tuple[int, MatmulTiles], ...] = (
+    (16, MatmulTiles(16, 32, 4, 5)),
+    (32, MatmulTiles(32, 32, 4, 5)),
+    (64, MatmulTiles(64, 64, 4, 4)),
+    (128, MatmulTiles(64, 128, 4, 4)),
+    (512, MatmulTiles(128, 128, 4, 3)),
+)
+GPU_MATMUL_LARGE = MatmulTiles(128, 256, 8, 3)
+
+# dB = Aᵀ @ D tiles on the GPU: the output is [K, N], so they depend on K and N only.
+GPU_AT_B_TILES = MatmulTiles(128, 128, 8, 3)
+
+# Interpret mode (CPU): one tile for every shape. XLA:CPU may pick a different
+# dot algorithm per block shape, so the CPU path never varies the tile.
+INTERPRET_TILES = MatmulTiles(32, 32, 4, 1)
+
+
+def matmul_tiles(m: int, *, interpret: bool) -> MatmulTiles:
+  """Forward/dA tiles for a problem with ``m`` rows."""
+  if interpret:
+    return INTERPRET_TILES
+  for max_m, tiles in GPU_MATMUL_TABLE:
+    if m <= max_m:
+      return tiles
+  return GPU_MATMUL_LARGE
+
+
+def at_b_tiles(k: int, n: int, *, interpret: bool) -> MatmulTiles:
+  """dB tiles for a [k, n] result; never a function of the row count."""
+  del k, n
+  return INTERPRET_TILES if interpret else GPU_AT_B_TILES
+
+
+def matmul_kernel(a_ref, b_ref, o_ref, *, m: int, n: int, transpose_b: bool,
+                  precision):
+  """One [block_m, block_n] tile of ``A @ B`` (or ``A @ Bᵀ``).
+
+  a_ref: [block_m, Kp]; b_ref: [Kp, block_n] ([block_n, Kp] if transpose_b);
+  o_ref: [block_m, block_n]. Kp is a multiple of BLOCK_K. Rows >= m and
+  columns >= n of the edge tiles are masked.
+  """
+  block_m, block_n = o_ref.shape
+  k_steps = a_ref.shape[-1] // BLOCK_K
+  rows = block_mask(pl.program_id(1) * block_m, block_m, m) if m % block_m else None
+  cols = block_mask(pl.program_id(2) * block_n, block_n, n) if n % block_n else None
+
+  def step(kk, acc):
+    ks = pl.ds(pl.multiple_of(kk * BLOCK_K, BLOCK_K), BLOCK_K)
+    a = load_block(a_ref.at[:, ks], rows=rows)
+    if transpose_b:
+      b = load_block(b_ref.at[:, ks], rows=cols)
+    else:
+      b = load_block(b_ref.at[ks, :], cols=cols)
+    return acc + pl.dot(a, b, trans_b=transpose_b, precision=precision)
+
+  acc = lax.fori_loop(0, k_steps, step, jnp.zeros((block_m, block_n), jnp.float32))
+  store_block(o_ref, acc.astype(o_ref.dtype), rows=rows, cols=cols)
+
+
+def matmul_at_b_kernel(a_ref, d_ref, o_ref, *, k: int, n: int, precision):
+  """One [block_k, block_n] tile of ``Aᵀ @ D``, reduced over rows.
+
+  a_ref: [Rp, block_k]; d_ref: [Rp, block_n]; o_ref: [block_k, block_n]; Rp is a
+  multiple of BLOCK_K (zero rows appended by the caller).
+  """
+  block_k, block_n = o_ref.shape
+  r_steps = a_ref.shape[0] // BLOCK_K
+  a_cols = block_mask(pl.program_id(1) * block_k, block_k, k) if k % block_k else None
+  d_cols = block_mask(pl.program_id(2) * block_n, block_n, n) if n % block_n else None
+
+  def step(rr, acc):
+    rs = pl.ds(pl.multiple_of(rr * BLOCK_K, BLOCK_K), BLOCK_K)
+    a = load_block(a_ref.at[rs, :], cols=a_cols)
+    d = load_block(d_ref.at[rs, :], cols=d_cols)
+    return acc + pl.dot(a, d, trans_a=True, precision=precision)
+
+  acc = lax.fori_loop(0, r_steps, step, jnp.zeros((block_k, block_n), jnp.float32))
+  store_block(o_ref, acc.astype(o_ref.dtype), rows=a_cols, cols=d_cols)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("transpose_b", "out_dtype", "precision", "tiles", "interpret"))
+def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles: MatmulTiles,
+           interpret: bool):
+  """Launches :func:`matmul_kernel` over a batch of problems.
+
+  a: [G, M, Kp]; b: [Gb, Kp, N] (or [Gb, N, Kp] if transpose_b) with Gb in {1, G}
+  (Gb = 1 shares b across the batch). Kp must be a multiple of BLOCK_K.
+  Returns [G, M, N] in ``out_dtype``.
+  """
+  g, m, kp = a.shape
+  n = b.shape[1] if transpose_b else b.shape[2]
+  if kp % BLOCK_K:
+    raise ValueError(f"contraction size {kp} is not a multiple of {BLOCK_K}")
+  shared_b = b.shape[0] == 1
+  bm, bn = tiles.block_m, tiles.block_n
+  if transpose_b:
+    b_spec = pl.BlockSpec((None, bn, kp),
+                          lambda gi, i, j: (0 if shared_b else gi, j, 0))
+  else:
+    b_spec = pl.BlockSpec((None, kp, bn),
+                          lambda gi, i, j: (0 if shared_b else gi, 0, j))
+  kernel = functools.partial(matmul_kernel, m=m, n=n, transpose_b=transpose_b,
+                             precision=precision)
+  return pl.pallas_call(
+      kernel,
+      grid=(g, cdiv(m, bm), cdiv(n, bn)),
+      in_specs=[pl.BlockSpec((None, bm, kp), lambda gi, i, j: (gi, i, 0)), b_spec],
+      out_specs=pl.BlockSpec((None, bm, bn), lambda gi, i, j: (gi, i, j)),
+      out_shape=jax.ShapeDtypeStruct((g, m, n), out_dtype),
+      compiler_params=compiler_params(tiles.num_warps, tiles.num_stages),
+      interpret=interpret,
+      name="jdet_matmul_t" if transpose_b else "jdet_matmul",
+  )(a, b)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("out_dtype", "precision", "tiles", "interpret"))
+def matmul_at_b(a, d, *, out_dtype, precision, tiles: MatmulTiles, interpret: bool):
+  """Launches :func:`matmul_at_b_kernel`: ``Aᵀ @ D`` per batch entry.
+
+  a: [G, Rp, K]; d: [G, Rp, N]; Rp a multiple of BLOCK_K. Returns [G, K, N].
+  """
+  g, rp, k = a.shape
+  n = d.shape[2]
+  if rp % BLOCK_K:
+    raise ValueError(f"row count {rp} is not a multiple of {BLOCK_K}")
+  bk, bn = tiles.block_m, tiles.block_n
+  kernel = functools.partial(matmul_at_b_kernel, k=k, n=n, precision=precision)
+  return pl.pallas_call(
+      kernel,
+      grid=(g, cdiv(k, bk), cdiv(n, bn)),
+      in_specs=[pl.BlockSpec((None, rp, bk), lambda gi, i, j: (gi, 0, i)),
+                pl.BlockSpec((None, rp, bn), lambda gi, i, j: (gi, 0, j))],
+      out_specs=pl.BlockSpec((None, bk, bn), lambda gi, i, j: (gi, i, j)),
+      out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype),
+      compiler_params=compiler_params(tiles.num_warps, tiles.num_stages),
+      interpret=interpret,
+      name="jdet_matmul_at_b",
+  )(a, d)

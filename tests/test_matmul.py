@@ -1,0 +1,206 @@
+"""jdet.matmul: row invariance, determinism, backward, accuracy, errors.
+
+The same tests run in Pallas interpret mode on CPU and natively on a GPU; the
+``gpu``-marked sweep covers every tile config the dispatcher can choose.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdet
+from jdet.testing import assert_batch_invariant, assert_bitwise_equal, assert_deterministic
+from pallas_kernels import matmul as kernels
+from tests.conftest import ON_GPU
+
+K, N = 96, 80  # not multiples of the tiles: edge masks and K padding are exercised
+M_SWEEP = (1, 2, 3, 7, 16, 17, 100, 129, 200)  # 200 > two 64-row tiles (and >2 CPU tiles)
+
+# Documented accuracy (relative max error vs float64, ||.||_inf / max|ref|).
+TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
+GPU_TF32_TOLERANCE = 2e-3
+
+
+def _normal(rng, shape, dtype=jnp.float32):
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+
+mm = jax.jit(jdet.matmul)
+mm_grads = jax.jit(jax.grad(lambda a, b, g: jnp.sum(jdet.matmul(a, b) * g), argnums=(0, 1)))
+
+
+@pytest.fixture(scope="module")
+def operands():
+  rng = np.random.default_rng(1)
+  return (_normal(rng, (max(M_SWEEP), K), jnp.bfloat16), _normal(rng, (K, N), jnp.bfloat16),
+          _normal(rng, (max(M_SWEEP), N), jnp.bfloat16))
+
+
+def test_rows_equal_single_row_calls(operands):
+  a, b, _ = operands
+  singles = np.concatenate([np.asarray(mm(a[i:i + 1], b)) for i in range(max(M_SWEEP))])
+  for m in M_SWEEP:
+    assert_bitwise_equal(mm(a[:m], b), singles[:m], what=f"M={m} vs single rows")
+
+
+def test_harness_slices_padding_and_vmap(operands):
+  a, b, _ = operands
+  assert_batch_invariant(mm, a[:129], b, in_axes=(0, None), batch_sizes=M_SWEEP,
+                         vmap_splits=(3,))
+
+
+def test_chunked_prefill_equals_whole(operands):
+  a, b, _ = operands
+  whole = mm(a, b)
+  chunks = [mm(a[s:s + c], b) for s, c in ((0, 5), (5, 64), (69, 1), (70, 130))]
+  assert_bitwise_equal(jnp.concatenate(chunks), whole, what="chunked prefill")
+
+
+@pytest.mark.parametrize("vmapped_batch", [1, 3, 4])
+def test_vmap_shared_and_batched_b(operands, vmapped_batch):
+  a, b, _ = operands
+  rng = np.random.default_rng(vmapped_batch)
+  a3 = _normal(rng, (vmapped_batch, 33, K), jnp.bfloat16)
+  b3 = _normal(rng, (vmapped_batch, K, N), jnp.bfloat16)
+  shared = jax.jit(jax.vmap(jdet.matmul, in_axes=(0, None)))(a3, b)
+  batched = jax.jit(jax.vmap(jdet.matmul))(a3, b3)
+  leading = mm(a3, b3)
+  for i in range(vmapped_batch):
+    assert_bitwise_equal(shared[i], mm(a3[i], b), what=f"vmap shared b, entry {i}")
+    assert_bitwise_equal(batched[i], mm(a3[i], b3[i]), what=f"vmap batched b, entry {i}")
+    assert_bitwise_equal(leading[i], batched[i], what=f"leading dims vs vmap, entry {i}")
+    assert_bitwise_equal(mm(a3[i, 4:9], b3[i]), batched[i, 4:9], what="row slice of batch")
+
+
+def test_deterministic_forward_and_backward(operands):
+  a, b, g = operands
+  assert_deterministic(jdet.matmul, a, b, runs=10)
+  assert_deterministic(mm_grads, a, b, g, runs=10)
+
+
+def test_da_rows_invariant(operands):
+  a, b, g = operands
+  da_full, _ = mm_grads(a, b, g)
+  for m in (1, 3, 17, 129):
+    da, _ = mm_grads(a[:m], b, g[:m])
+    assert_bitwise_equal(da, da_full[:m], what=f"dA rows, M={m}")
+
+
+def test_db_unchanged_by_zero_cotangent_rows(operands):
+  a, b, g = operands
+  for m in (1, 17, 64, 100):
+    _, db = mm_grads(a[:m], b, g[:m])
+    padded_g = jnp.concatenate([g[:m], jnp.zeros_like(g[m:])])
+    _, db_padded = mm_grads(a, b, padded_g)
+    assert_bitwise_equal(db_padded, db, what=f"dB with {a.shape[0] - m} zero-cotangent rows")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_accuracy_vs_float64(dtype):
+  rng = np.random.default_rng(2)
+  a, b = _normal(rng, (2, 37, 200), dtype), _normal(rng, (200, 70), dtype)
+  for precision in (None, jax.lax.Precision.HIGHEST):
+    out = jdet.matmul(a, b, precision=precision)
+    assert out.dtype == dtype and out.shape == (2, 37, 70)
+    ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    err = np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max()
+    tol = TOLERANCE[dtype]
+    if dtype == jnp.float32 and precision is None and ON_GPU:
+      tol = GPU_TF32_TOLERANCE
+    assert err < tol, (dtype, precision, err)
+
+
+def test_preferred_element_type_and_mixed_dtypes():
+  rng = np.random.default_rng(3)
+  a, b = _normal(rng, (5, 64), jnp.bfloat16), _normal(rng, (64, 16), jnp.float32)
+  out = jdet.matmul(a, b)
+  assert out.dtype == jnp.float32
+  out16 = jdet.matmul(a, b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+  assert out16.dtype == jnp.float32
+  ref = np.asarray(a, np.float64) @ np.asarray(b.astype(jnp.bfloat16), np.float64)
+  assert np.abs(np.asarray(out16) - ref).max() < 1e-4 * np.abs(ref).max()
+
+
+@pytest.mark.parametrize("a_shape,b_shape", [
+    ((37, 48), (48, 24)),
+    ((2, 3, 5, 48), (48, 24)),
+    ((3, 5, 48), (3, 48, 24)),
+    ((1, 4, 5, 48), (3, 1, 48, 24)),
+    ((5, 48), (2, 48, 24)),
+])
+def test_gradients_match_jnp_reference(a_shape, b_shape):
+  rng = np.random.default_rng(4)
+  a, b = _normal(rng, a_shape), _normal(rng, b_shape)
+  out_shape = jnp.matmul(a, b).shape
+  g = _normal(rng, out_shape)
+  hi = jax.lax.Precision.HIGHEST
+
+  def loss(fn, a, b):
+    return jnp.sum(fn(a, b, precision=hi) * g) + jnp.mean(fn(a, b, precision=hi))
+
+  got = jax.jit(jax.grad(functools.partial(loss, jdet.matmul), argnums=(0, 1)))(a, b)
+  want = jax.grad(functools.partial(loss, jdet.matmul_reference), argnums=(0, 1))(a, b)
+  assert jdet.matmul(a, b).shape == out_shape
+  for x, y in zip(got, want):
+    assert x.shape == y.shape
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-4, atol=1e-4)
+
+
+def test_empty_and_tiny_shapes():
+  a = jnp.zeros((0, 10), jnp.float32)
+  b = jnp.ones((10, 3), jnp.float32)
+  out = jdet.matmul(a, b)
+  assert out.shape == (0, 3) and out.dtype == jnp.float32
+  one = jdet.matmul(jnp.full((1, 1), 2.0), jnp.full((1, 1), 3.0))
+  assert float(one[0, 0]) == 6.0
+
+
+def test_k_zero_padding_does_not_change_rows(operands):
+  a, b, _ = operands
+  padded = mm(jnp.pad(a, ((0, 0), (0, 32))), jnp.pad(b, ((0, 32), (0, 0))))
+  assert_bitwise_equal(padded, mm(a, b), what="K zero-padded by 32")
+
+
+@pytest.mark.parametrize("a,b,error,match", [
+    (np.ones((3,), np.float32), np.ones((3, 2), np.float32), ValueError, "a must have shape"),
+    (np.ones((2, 3), np.float32), np.ones((3,), np.float32), ValueError, "b must have shape"),
+    (np.ones((2, 3), np.float32), np.ones((4, 2), np.float32), ValueError, "K = 3"),
+    (np.ones((2, 2, 3), np.float32), np.ones((3, 3, 2), np.float32), ValueError, "broadcast"),
+    (np.ones((2, 3), np.int32), np.ones((3, 2), np.float32), TypeError, "a must be"),
+    (np.ones((2, 3), np.float32), np.ones((3, 2), np.complex64), TypeError, "b must be"),
+    (np.ones((2, 3), np.float64), np.ones((3, 2), np.float32), TypeError, "float64"),
+    ("x", np.ones((3, 2), np.float32), TypeError, "a must be an array"),
+])
+def test_bad_input_raises(a, b, error, match):
+  with pytest.raises(error, match=match):
+    jdet.matmul(a, b)
+
+
+def test_bad_preferred_element_type():
+  with pytest.raises(TypeError, match="preferred_element_type"):
+    jdet.matmul(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32),
+                preferred_element_type=jnp.int32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(4096, 4096), (1000, 3000)])
+def test_gpu_invariance_envelope_every_tile_config(k, n):
+  """Every dispatcher config gives the same row bits, for M from 1 to 4100."""
+  rng = np.random.default_rng(5)
+  a = _normal(rng, (4100, k), jnp.bfloat16)
+  b = _normal(rng, (k, n), jnp.bfloat16)
+  a_p, b_p = kernels.pad_axis(a, 1, kernels.BLOCK_K)[None], kernels.pad_axis(b, 0, kernels.BLOCK_K)[None]
+  configs = {t for _, t in kernels.GPU_MATMUL_TABLE} | {kernels.GPU_MATMUL_LARGE}
+  launch = functools.partial(kernels.matmul, transpose_b=False, out_dtype=jnp.bfloat16,
+                             precision=None, interpret=False)
+  reference = np.asarray(launch(a_p, b_p, tiles=kernels.GPU_MATMUL_LARGE))
+  for tiles in sorted(configs, key=str):
+    assert_bitwise_equal(launch(a_p, b_p, tiles=tiles), reference, what=f"tiles {tiles}")
+  singles = np.concatenate([np.asarray(mm(a[i:i + 1], b)) for i in range(0, 4100, 97)])
+  for m in (1, 2, 15, 16, 17, 31, 33, 63, 65, 127, 129, 255, 257, 511, 513, 1023, 4100):
+    out = np.asarray(mm(a[:m], b))
+    assert_bitwise_equal(out, reference[0, :m], what=f"M={m}")
+  assert_bitwise_equal(singles, reference[0, ::97], what="single rows")
