@@ -1,0 +1,93 @@
+"""The one benchmark harness: timing, device facts and result tables for every op.
+
+Timing: ``copies`` independent input sets (so small problems do not sit in L2)
+are run back to back inside one jitted call, after warm-up; the time per op is
+the median over ``repeats`` of (wall time of ``inner`` calls) / (inner * copies),
+with a device sync at the end of each repeat. Always compare against the XLA
+baseline timed in the same process: absolute numbers on shared machines drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+# Measured on the lent H100 (DESIGN.md / device notes): device-to-device copy
+# ~3.0 TB/s counting read + write; bf16 dense GEMM ~800 TFLOP/s.
+H100_HBM_BYTES_PER_S = 3.0e12
+
+
+def on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+def device_description() -> str:
+  dev = jax.devices()[0]
+  return f"{dev.device_kind} ({dev.platform}), jax {jax.__version__}"
+
+
+def time_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, repeats: int = 10,
+            inner: int = 5, warmup: int = 2) -> float:
+  """Median microseconds of one ``fn(*args)``; see the module docstring."""
+  run_all = jax.jit(lambda sets: [fn(*args) for args in sets])
+  for _ in range(warmup):
+    jax.block_until_ready(run_all(arg_sets))
+  samples = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    for _ in range(inner):
+      out = run_all(arg_sets)
+    jax.block_until_ready(out)
+    samples.append((time.perf_counter() - start) / (inner * len(arg_sets)))
+  return statistics.median(samples) * 1e6
+
+
+def copies_for(bytes_per_set: int, *, budget_bytes: int = 1 << 30, most: int = 8) -> int:
+  """How many input sets to rotate through: enough to defeat L2, within a memory budget."""
+  return int(max(1, min(most, budget_bytes // max(bytes_per_set, 1))))
+
+
+@dataclasses.dataclass
+class Row:
+  """One benchmark line: a named case, jdet's time, the baseline's, and extras."""
+  op: str
+  case: str
+  pass_: str
+  jdet_us: float
+  baseline: str
+  baseline_us: float
+  extra: dict[str, str] = dataclasses.field(default_factory=dict)
+
+  @property
+  def speedup(self) -> float:
+    """baseline time / jdet time: > 1 means jdet is faster."""
+    return self.baseline_us / self.jdet_us
+
+
+def markdown_table(rows: Sequence[Row]) -> str:
+  extra_keys = sorted({k for r in rows for k in r.extra})
+  head = ["op", "case", "pass", "jdet us", "baseline", "baseline us",
+          "speed vs baseline", *extra_keys]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for r in rows:
+    cells = [r.op, r.case, r.pass_, f"{r.jdet_us:.1f}", r.baseline, f"{r.baseline_us:.1f}",
+             f"{r.speedup:.2f}x", *(r.extra.get(k, "") for k in extra_keys)]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def interpret_warning() -> str | None:
+  if on_gpu():
+    return None
+  return ("NOTE: no GPU: jdet kernels ran in Pallas interpret mode; these timings say "
+          "nothing about speed.")
+
+
+def random_normal(seed: int, shape, dtype) -> jax.Array:
+  return jax.numpy.asarray(np.random.default_rng(seed).standard_normal(shape),
+                           dtype=np.float32).astype(dtype)
