@@ -1,10 +1,12 @@
 """The one benchmark harness: timing, device facts and result tables for every op.
 
 Timing: ``copies`` independent input sets (so small problems do not sit in L2)
-are run back to back inside one jitted call, after warm-up; the time per op is
-the median over ``repeats`` of (wall time of ``inner`` calls) / (inner * copies),
-with a device sync at the end of each repeat. Always compare against the XLA
-baseline timed in the same process: absolute numbers on shared machines drift.
+are run back to back inside one jitted call. On a GPU the time is the sum of the
+device kernels' durations measured by CUPTI (Mosaic GPU's profiler), so host
+dispatch is left out for jdet and XLA alike; the time per op is the median over
+``repeats`` calls, divided by ``copies``, after a warm-up call. Elsewhere it is
+wall time of ``inner`` calls per repeat. Always compare against the XLA baseline
+timed in the same process: absolute numbers on shared machines drift.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ def time_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, repeats: int =
             inner: int = 5, warmup: int = 2) -> float:
   """Median microseconds of one ``fn(*args)``; see the module docstring."""
   run_all = jax.jit(lambda sets: [fn(*args) for args in sets])
+  if on_gpu():
+    from jax.experimental.mosaic.gpu import profiler
+    _, per_call_ms = profiler.measure(run_all, iterations=repeats)(arg_sets)
+    return statistics.median(per_call_ms) * 1e3 / len(arg_sets)
   for _ in range(warmup):
     jax.block_until_ready(run_all(arg_sets))
   samples = []
