@@ -6,7 +6,8 @@ bitwise independent of the other rows, of padding, chunking, ``jit`` and
 """
 
 from jdet.matmul import matmul, matmul_reference
+from jdet.tri_inverse import tri_inverse, tri_inverse_reference
 
 __version__ = "0.1.0"
 
-__all__ = ["matmul", "matmul_reference"]
+__all__ = ["matmul", "matmul_reference", "tri_inverse", "tri_inverse_reference"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
 
@@ -28,6 +29,17 @@ def pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def dot_f32(a, b, *, trans_a: bool = False, trans_b: bool = False, precision=None):
+  """2-D ``a @ b`` (optionally transposed operands) accumulated in float32, in-kernel.
+
+  Use this instead of ``pl.dot`` (removed in jax 0.12). ``precision=HIGHEST`` makes
+  float32 products IEEE on the GPU; the default lets Triton use TF32.
+  """
+  dims = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+  return lax.dot_general(a, b, dims, precision=precision,
+                         preferred_element_type=jnp.float32)
 
 
 def block_mask(start, block: int, limit: int):
@@ -70,6 +82,7 @@ __all__ = [
     "block_mask",
     "cdiv",
     "compiler_params",
+    "dot_f32",
     "load_block",
     "pad_axis",
     "round_up",

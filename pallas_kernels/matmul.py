@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import (block_mask, cdiv, compiler_params,
+from pallas_kernels._common import (block_mask, cdiv, compiler_params, dot_f32,
                                     load_block, store_block)
 
 BLOCK_K = 64
@@ -45,35 +45,47 @@ class MatmulTiles:
   group_m: int = 8
 
 
-# Forward / dA tiles on the GPU, by the largest M a row serves. Only the tile
-# shape and launch parameters change with M; BLOCK_K and the K order do not.
-# Chosen on the H100 (jax 0.11.2, bf16, K=N=4096; benchmarks/results/h100.md):
-# small M wants narrow N tiles so that N/block_n programs cover the 132 SMs.
-GPU_MATMUL_TABLE: tuple[tuple[int, MatmulTiles], ...] = (
-    (16, MatmulTiles(16, 32, 4, 5)),
-    (32, MatmulTiles(32, 32, 4, 5)),
-    (64, MatmulTiles(64, 64, 4, 4)),
-    (128, MatmulTiles(64, 128, 4, 4)),
-    (512, MatmulTiles(128, 128, 4, 3)),
+# Forward / dA tiles on the GPU, largest first. The dispatcher takes the first
+# tile whose grid has at least GPU_MIN_PROGRAMS programs (about one wave on the
+# H100's 132 SMs), else the last. Only tile shape and launch parameters change
+# with M and N; BLOCK_K and the K order never do. Every tile below gave the same
+# bits as every other in the H100 sweep (benchmarks/tune_matmul.py, 2026-11-22,
+# jax 0.11.2, bf16, K x N in {4096 x 4096, 14336 x 4096, 4096 x 14336}, CUPTI
+# kernel time). What the sweep showed, as XLA time / jdet time:
+#   (128, 256, 8 warps, 3 stages): M >= 1024: 0.82-0.94; the best large-M tile.
+#   (128, 128, 8, 3): M = 256, N = 14336: 0.86 (vs 0.90 for 128 x 256).
+#   (64, 128, 4, 4): M = 256, N = 4096: 0.73-0.93; M = 64, N = 14336: 1.20.
+#   (64, 64, 4, 4): M = 64, N = 14336: 1.19.
+#   (16, 64, 4, 5): M = 64, N = 4096: 0.88-1.08; M = 16, N = 14336: 1.10.
+#   (16, 32, 4, 6): M = 16, N = 4096: 0.90-0.99 (narrow tiles fill the SMs).
+GPU_MATMUL_LADDER: tuple[MatmulTiles, ...] = (
+    MatmulTiles(128, 256, 8, 3),
+    MatmulTiles(128, 128, 8, 3),
+    MatmulTiles(64, 128, 4, 4),
+    MatmulTiles(64, 64, 4, 4),
+    MatmulTiles(16, 64, 4, 5),
+    MatmulTiles(16, 32, 4, 6),
 )
-GPU_MATMUL_LARGE = MatmulTiles(128, 256, 8, 3)
+GPU_MIN_PROGRAMS = 128
 
-# dB = Aᵀ @ D tiles on the GPU: the output is [K, N], so they depend on K and N only.
-GPU_AT_B_TILES = MatmulTiles(128, 128, 8, 3)
+# dB = Aᵀ @ D tiles on the GPU: the output is [K, N], so they never depend on the
+# row count. (128, 256, 8, 3) was the fastest of (128, 256), (128, 128), (64, 256)
+# in the same sweep at M = 1024: 0.70-0.87 of XLA.
+GPU_AT_B_TILES = MatmulTiles(128, 256, 8, 3)
 
 # Interpret mode (CPU): one tile for every shape. XLA:CPU may pick a different
 # dot algorithm per block shape, so the CPU path never varies the tile.
 INTERPRET_TILES = MatmulTiles(32, 32, 4, 1)
 
 
-def matmul_tiles(m: int, *, interpret: bool) -> MatmulTiles:
-  """Forward/dA tiles for a problem with ``m`` rows."""
+def matmul_tiles(m: int, n: int, *, interpret: bool) -> MatmulTiles:
+  """Forward/dA tiles for an [m, n] result (any K)."""
   if interpret:
     return INTERPRET_TILES
-  for max_m, tiles in GPU_MATMUL_TABLE:
-    if m <= max_m:
+  for tiles in GPU_MATMUL_LADDER:
+    if cdiv(m, tiles.block_m) * cdiv(n, tiles.block_n) >= GPU_MIN_PROGRAMS:
       return tiles
-  return GPU_MATMUL_LARGE
+  return GPU_MATMUL_LADDER[-1]
 
 
 def at_b_tiles(k: int, n: int, *, interpret: bool) -> MatmulTiles:
@@ -111,7 +123,7 @@ def matmul_kernel(a_ref, b_ref, o_ref, *, m: int, n: int, group_m: int,
       b = load_block(b_ref.at[:, ks], rows=cols)
     else:
       b = load_block(b_ref.at[ks, :], cols=cols)
-    return acc + pl.dot(a, b, trans_b=transpose_b, precision=precision)
+    return acc + dot_f32(a, b, trans_b=transpose_b, precision=precision)
 
   acc = lax.fori_loop(0, k_steps, step, jnp.zeros((block_m, block_n), jnp.float32))
   store_block(o_ref, acc.astype(o_ref.dtype), rows=rows, cols=cols)
@@ -132,7 +144,7 @@ def matmul_at_b_kernel(a_ref, d_ref, o_ref, *, k: int, n: int, precision):
     rs = pl.ds(pl.multiple_of(rr * BLOCK_K, BLOCK_K), BLOCK_K)
     a = load_block(a_ref.at[rs, :], cols=a_cols)
     d = load_block(d_ref.at[rs, :], cols=d_cols)
-    return acc + pl.dot(a, d, trans_a=True, precision=precision)
+    return acc + dot_f32(a, d, trans_a=True, precision=precision)
 
   acc = lax.fori_loop(0, r_steps, step, jnp.zeros((block_k, block_n), jnp.float32))
   store_block(o_ref, acc.astype(o_ref.dtype), rows=a_cols, cols=d_cols)

@@ -14,6 +14,7 @@ import pytest
 import jdet
 from jdet.testing import assert_batch_invariant, assert_bitwise_equal, assert_deterministic
 from pallas_kernels import matmul as kernels
+from pallas_kernels._common import pad_axis
 from tests.conftest import ON_GPU
 
 K, N = 96, 80  # not multiples of the tiles: edge masks and K padding are exercised
@@ -186,21 +187,30 @@ def test_bad_preferred_element_type():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k,n", [(4096, 4096), (1000, 3000)])
+@pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 14336), (1000, 3000)])
 def test_gpu_invariance_envelope_every_tile_config(k, n):
-  """Every dispatcher config gives the same row bits, for M from 1 to 4100."""
+  """Every tile the dispatcher can choose gives the same bits, forward and dA,
+  for M from 1 to 4100 across every dispatch boundary."""
   rng = np.random.default_rng(5)
-  a = _normal(rng, (4100, k), jnp.bfloat16)
+  total = 4100
+  a = _normal(rng, (total, k), jnp.bfloat16)
   b = _normal(rng, (k, n), jnp.bfloat16)
-  a_p, b_p = kernels.pad_axis(a, 1, kernels.BLOCK_K)[None], kernels.pad_axis(b, 0, kernels.BLOCK_K)[None]
-  configs = {t for _, t in kernels.GPU_MATMUL_TABLE} | {kernels.GPU_MATMUL_LARGE}
+  g = _normal(rng, (total, n), jnp.bfloat16)
+  a_p, b_p = pad_axis(a, 1, kernels.BLOCK_K)[None], pad_axis(b, 0, kernels.BLOCK_K)[None]
   launch = functools.partial(kernels.matmul, transpose_b=False, out_dtype=jnp.bfloat16,
                              precision=None, interpret=False)
-  reference = np.asarray(launch(a_p, b_p, tiles=kernels.GPU_MATMUL_LARGE))
-  for tiles in sorted(configs, key=str):
-    assert_bitwise_equal(launch(a_p, b_p, tiles=tiles), reference, what=f"tiles {tiles}")
-  singles = np.concatenate([np.asarray(mm(a[i:i + 1], b)) for i in range(0, 4100, 97)])
-  for m in (1, 2, 15, 16, 17, 31, 33, 63, 65, 127, 129, 255, 257, 511, 513, 1023, 4100):
-    out = np.asarray(mm(a[:m], b))
-    assert_bitwise_equal(out, reference[0, :m], what=f"M={m}")
-  assert_bitwise_equal(singles, reference[0, ::97], what="single rows")
+  reference = np.asarray(launch(a_p, b_p, tiles=kernels.GPU_MATMUL_LADDER[0]))[0]
+  for tiles in kernels.GPU_MATMUL_LADDER[1:]:
+    assert_bitwise_equal(launch(a_p, b_p, tiles=tiles)[0], reference, what=f"tiles {tiles}")
+  da_reference, _ = mm_grads(a, b, g)
+  changes = [m for m in range(2, total + 1)
+             for out_n in (n, k)
+             if kernels.matmul_tiles(m, out_n, interpret=False)
+             != kernels.matmul_tiles(m - 1, out_n, interpret=False)]
+  sizes = sorted({1, 2, 3, 7, 100, total} | {c for m in changes for c in (m - 1, m)})
+  for m in sizes:
+    assert_bitwise_equal(mm(a[:m], b), reference[:m], what=f"forward M={m}")
+    da, _ = mm_grads(a[:m], b, g[:m])
+    assert_bitwise_equal(da, da_reference[:m], what=f"dA M={m}")
+  for i in range(0, total, 397):
+    assert_bitwise_equal(mm(a[i:i + 1], b), reference[i:i + 1], what=f"row {i} alone")
