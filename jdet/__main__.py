@@ -1,0 +1,32 @@
+"""``python -m jdet check`` and ``python -m jdet bench``: the report of what jdet does here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+OPS = ("matmul", "sinkhorn", "tri_inverse")
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(prog="python -m jdet", description=__doc__)
+  sub = parser.add_subparsers(dest="command", required=True)
+  check = sub.add_parser("check", help="invariance, determinism and accuracy of every op")
+  check.add_argument("--op", choices=OPS, action="append",
+                     help="only this op (repeatable); default: all")
+  check.add_argument("--small", action="store_true",
+                     help="small shapes even on a GPU (the CPU default)")
+  bench = sub.add_parser("bench", help="timings versus XLA, as a table and a plot")
+  bench.add_argument("--op", choices=OPS, action="append",
+                     help="only this op (repeatable); default: all")
+  bench.add_argument("--out", default=None, help="folder for results.md and results.png")
+  args = parser.parse_args(argv)
+  if args.command == "check":
+    from jdet import check as check_module
+    return check_module.main(args.op, full=False if args.small else None)
+  from benchmarks import report
+  return report.main(args.op or OPS, args.out)
+
+
+if __name__ == "__main__":
+  sys.exit(main())
