@@ -1,0 +1,81 @@
+"""jdet.testing catches real batch variance and passes invariant models."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdet
+from jdet.testing import assert_batch_invariant, assert_bitwise_equal, assert_deterministic
+
+# K = N = 32: XLA:CPU's dot gives row 0 different bits for 1 row and for 64 rows.
+K = N = 32
+
+
+@pytest.fixture(scope="module")
+def model_inputs():
+  rng = np.random.default_rng(0)
+  return (jnp.asarray(rng.standard_normal((64, K)), jnp.float32),
+          jnp.asarray(rng.standard_normal((K, N)), jnp.float32))
+
+
+def _model(matmul):
+  def layer(x, w):
+    h = matmul(x, w)
+    return {"hidden": h, "out": jnp.tanh(h)}
+  return layer
+
+
+def test_fails_on_jnp_dot_model_and_reports_where(model_inputs):
+  x, w = model_inputs
+  with pytest.raises(AssertionError) as info:
+    assert_batch_invariant(_model(jnp.dot), x, w, in_axes=(0, None))
+  message = str(info.value)
+  assert "leaf ['hidden']" in message
+  assert "batch of 64 vs" in message and "first at index" in message
+  assert "max abs difference" in message
+
+
+def test_passes_on_the_same_model_built_on_jdet(model_inputs):
+  x, w = model_inputs
+  assert_batch_invariant(_model(jdet.matmul), x, w, in_axes=(0, None), vmap_splits=(2, 4))
+
+
+def test_per_example_gradients(model_inputs):
+  x, w = model_inputs
+
+  def per_row_grad(matmul):
+    return jax.grad(lambda x, w: jnp.sum(_model(matmul)(x, w)["out"] ** 2))
+
+  assert_batch_invariant(per_row_grad(jdet.matmul), x, w, in_axes=(0, None))
+  with pytest.raises(AssertionError):
+    assert_batch_invariant(per_row_grad(jnp.dot), x, w, in_axes=(0, None))
+
+
+def test_batch_axis_other_than_zero(model_inputs):
+  x, w = model_inputs
+  xt = x.T  # batch along axis 1
+  assert_batch_invariant(lambda xt, w: jdet.matmul(xt.T, w).T, xt, w, in_axes=(1, None),
+                         out_axis=1)
+
+
+def test_assert_deterministic_detects_run_to_run_change(model_inputs):
+  x, w = model_inputs
+  assert_deterministic(jdet.matmul, x, w, runs=3)
+  counter = itertools.count()
+
+  def drifting(x):
+    noise = jax.pure_callback(lambda: np.float32(next(counter) * 1e-7),
+                              jax.ShapeDtypeStruct((), jnp.float32))
+    return x + noise
+
+  with pytest.raises(AssertionError, match="run 1 vs run 0"):
+    assert_deterministic(drifting, x, runs=3)
+
+
+def test_bitwise_equal_distinguishes_signed_zeros():
+  with pytest.raises(AssertionError, match="differs in 1 of 2"):
+    assert_bitwise_equal(jnp.array([0.0, 1.0]), jnp.array([-0.0, 1.0]))
+  assert_bitwise_equal(jnp.array([jnp.nan]), jnp.array([jnp.nan]))
