@@ -1,0 +1,42 @@
+"""The `python -m jdet` report commands and the training example run and say the truth."""
+
+import os
+import runpy
+
+from jdet import __main__ as cli
+from jdet import check
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_check_passes_and_prints_a_table(capsys):
+  assert cli.main(["check", "--op", "matmul"]) == 0
+  out = capsys.readouterr().out
+  assert "| matmul | fwd bf16" in out and "2 passed, 0 failed" in out
+
+
+def test_check_exits_1_when_a_case_fails(monkeypatch, capsys):
+  def broken_cases(full):
+    cases = check.matmul_cases(full)
+    cases[0].tolerance = 0.0  # no real GEMM meets a zero tolerance
+    return cases[:1]
+
+  monkeypatch.setitem(check.CASE_BUILDERS, "matmul", broken_cases)
+  assert cli.main(["check", "--op", "matmul"]) == 1
+  assert "FAIL" in capsys.readouterr().out
+
+
+def test_bench_writes_markdown_and_plot_and_warns_on_cpu(tmp_path, capsys):
+  assert cli.main(["bench", "--op", "matmul", "--out", str(tmp_path)]) == 0
+  out = capsys.readouterr().out
+  assert "interpret mode" in out
+  table = (tmp_path / "results.md").read_text()
+  assert "| matmul | M=1 K=64 N=128 | fwd |" in table
+  assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_training_example_is_invariant_with_jdet_only():
+  example = runpy.run_path(os.path.join(ROOT, "examples", "train_invariant.py"))
+  outcome = example["main"](steps=2)
+  assert outcome["jdet"] == 0
+  assert outcome["jnp baseline"] > 0
