@@ -3,8 +3,14 @@
 import os
 import runpy
 
+import pytest
+
 from jdet import __main__ as cli
 from jdet import check
+from tests.conftest import ON_GPU
+
+# On a GPU these commands run production sizes for minutes: run them directly there.
+pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU-sized report; on a GPU run python -m jdet")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
