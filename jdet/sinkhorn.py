@@ -77,8 +77,7 @@ def sinkhorn(logits, *, iters=20, eps=1e-6, init="softmax", grad="unrolled", int
                            use_interpret(interpret, logits))
   if logits.size == 0:
     return jnp.zeros(logits.shape, jnp.float32)
-  out = _sinkhorn(logits.reshape(-1, n * n), config)
-  return out.reshape(logits.shape)
+  return _sinkhorn(logits.reshape(-1, n, n), config).reshape(logits.shape)
 
 
 def _check_iters(iters) -> int:
@@ -113,9 +112,9 @@ def _backward_tiles(config):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _sinkhorn(logits, config: _SinkhornConfig):
-  """logits: [T, n*n]; returns the [T, n*n] float32 projection."""
+  """logits: [T, n, n]; returns the [T, n, n] float32 projection."""
   return kernels.sinkhorn_forward(
-      logits, n=config.n, iters=config.iters, eps=config.eps, init=config.init,
+      logits, iters=config.iters, eps=config.eps, init=config.init,
       tiles=_forward_tiles(config), interpret=config.interpret)
 
 
@@ -128,11 +127,11 @@ def _sinkhorn_bwd(config, saved, cotangent):
   cotangent = cotangent.astype(jnp.float32)
   if config.grad == "implicit":
     dlogits = kernels.sinkhorn_implicit_backward(
-        saved, cotangent, n=config.n, out_dtype=config.dtype,
+        saved, cotangent, out_dtype=config.dtype,
         tiles=_backward_tiles(config), interpret=config.interpret)
   else:
     dlogits = kernels.sinkhorn_unrolled_backward(
-        saved, cotangent, n=config.n, iters=config.iters, eps=config.eps,
+        saved, cotangent, iters=config.iters, eps=config.eps,
         init=config.init, tiles=_backward_tiles(config), interpret=config.interpret)
   return (dlogits,)
 
@@ -145,10 +144,13 @@ def sinkhorn_residual(r):
 
   r: ``[..., n, n]`` (a :func:`sinkhorn` result); returns ``[...]`` float32.
   Sums run left to right in index order, so each matrix's value is batch
-  invariant. ``grad="implicit"`` differentiates the fixed point, not the
-  iteration: its error against the exact gradient of the finite iteration
-  shrinks with the residual (in the tests, about 1e-6 relative at a residual
-  near 1e-7); at residuals of 1e-2 and above prefer ``grad="unrolled"``.
+  invariant. ``grad="implicit"`` is the gradient at the fixed point, so it is
+  trustworthy when the residual is small. Measured (CPU, n in 2..16): at a
+  residual near 1e-6 (200 iterations) it is within 3e-5 (relative max error)
+  of the unrolled gradient; at residuals of 0.1-0.4 (2-5 iterations of the
+  softmax init) it is 2e-2 to 3e-1 away from the converged gradient, though
+  still 2-100x closer than the uncorrected (r = c = 1) system. Above a
+  residual of about 1e-3, prefer ``grad="unrolled"``.
   """
   r = as_array("r", r)
   check_ndim("r", r, 2, "[..., n, n]")

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params,
-                                    load_block, store_block)
+                                    load_block, pad_axis, store_block)
 
 MAX_N = 16
 INITS = ("softmax", "exp")
@@ -94,6 +94,11 @@ class _Plan:
   def axes(self) -> tuple[int, int]:
     return (ROWS, COLUMNS) if self.softmax_init else (COLUMNS, ROWS)
 
+  @property
+  def zero_free(self) -> bool:
+    """No iterate has an exact zero: softmax + eps, and no padding columns."""
+    return self.softmax_init and self.n == pl.next_power_of_2(self.n)
+
 
 def _plan(n: int, iters: int, eps: float, init: str) -> _Plan:
   if init not in INITS:
@@ -104,46 +109,66 @@ def _plan(n: int, iters: int, eps: float, init: str) -> _Plan:
 
 
 # ---------------------------------------------------------------------------
-# Token-minor matrix algebra: a matrix is a tuple of n*n columns, entry (i, j)
-# at index i*n + j; sums run in increasing index order.
+# Matrix algebra on one block: a matrix is a tuple of n rows, each a
+# [block_tokens, width] array (width = n rounded up to a power of two; the extra
+# columns hold exact zeros). Column quantities are one [block_tokens, width]
+# array, row quantities a list of n [block_tokens, 1] arrays.
 
 
-def _line(k: int, n: int, axis: int) -> int:
-  """Which column (axis 0) or row (axis 1) sum entry k belongs to."""
-  return k % n if axis == COLUMNS else k // n
+def _add(values):
+  """Left-to-right sum of a list of arrays (a fixed order)."""
+  return functools.reduce(operator.add, values)
 
 
-def _sums(m, n: int, axis: int):
-  """Column sums (axis 0, over i) or row sums (axis 1, over j), left to right."""
-  if axis == COLUMNS:
-    lines = ([m[i * n + j] for i in range(n)] for j in range(n))
-  else:
-    lines = ([m[i * n + j] for j in range(n)] for i in range(n))
-  return [functools.reduce(operator.add, line) for line in lines]
+def _row_sum(row):
+  return jnp.sum(row, axis=1, keepdims=True)
+
+
+def _sums(m, axis: int):
+  """The column sums (axis 0: one array) or the row sums (axis 1: a list)."""
+  return _add(m) if axis == COLUMNS else [_row_sum(row) for row in m]
+
+
+def _per_row(values, axis: int, i: int):
+  """What applies to row i: the column array itself, or row i's entry of a list."""
+  return values if axis == COLUMNS else values[i]
+
+
+def _map(fn, values, axis: int):
+  return fn(values) if axis == COLUMNS else [fn(v) for v in values]
 
 
 def _normalize(m, plan: _Plan, axis: int):
   """Divides each column (axis 0) or row (axis 1) by its guarded sum.
 
   Returns (result, reciprocals, sums); the softmax convention adds eps to the
-  sum, the exp convention clamps it below at eps.
+  sum, the exp convention clamps it below at eps. One reciprocal per sum.
   """
-  sums = _sums(m, plan.n, axis)
+  sums = _sums(m, axis)
   if plan.softmax_init:
-    inv = [1.0 / (s + plan.eps) for s in sums]
+    inv = _map(lambda s: 1.0 / (s + plan.eps), sums, axis)
   else:
-    inv = [1.0 / jnp.maximum(s, plan.eps) for s in sums]
-  out = tuple(v * inv[_line(k, plan.n, axis)] for k, v in enumerate(m))
-  return out, inv, sums
+    inv = _map(lambda s: 1.0 / jnp.maximum(s, plan.eps), sums, axis)
+  return tuple(row * _per_row(inv, axis, i) for i, row in enumerate(m)), inv, sums
 
 
 def _normalize_vjp(out, inv, sums, d_out, plan: _Plan, axis: int):
   """VJP of :func:`_normalize` from its result: inv * (d_out - d'(sum) * <d_out, out>)."""
-  dots = _sums([g * y for g, y in zip(d_out, out)], plan.n, axis)
+  dots = _sums([g * y for g, y in zip(d_out, out)], axis)
   if not plan.softmax_init:  # d max(s, eps) / ds is 0 where the clamp is active.
-    dots = [jnp.where(s > plan.eps, t, 0.0) for s, t in zip(sums, dots)]
-  return tuple(inv[_line(k, plan.n, axis)] * (g - dots[_line(k, plan.n, axis)])
-               for k, g in enumerate(d_out))
+    if axis == COLUMNS:
+      dots = jnp.where(sums > plan.eps, dots, 0.0)
+    else:
+      dots = [jnp.where(s > plan.eps, t, 0.0) for s, t in zip(sums, dots)]
+  d_in = tuple(_per_row(inv, axis, i) * (g - _per_row(dots, axis, i))
+               for i, g in enumerate(d_out))
+  if not plan.zero_free:
+    # An entry that is exactly 0 only ever meets its cotangent multiplied by
+    # itself (in the dots above and in the init's VJP), so its cotangent is 0.
+    # Without this, the 1/eps factors of all-zero lines (exp underflow, -inf
+    # logits, padding columns) overflow to inf, and inf * 0 would spread NaN.
+    d_in = tuple(jnp.where(y == 0, 0.0, d) for y, d in zip(out, d_in))
+  return d_in
 
 
 def _unit(m, plan: _Plan):
@@ -165,38 +190,38 @@ def _shift(top):
   return jnp.where(top == -jnp.inf, 0.0, top)
 
 
-def _softmax_rows(x, n: int):
+def _softmax_rows(x):
   probs = []
-  for i in range(n):
-    row = x[i * n:(i + 1) * n]
-    shift = _shift(functools.reduce(jnp.maximum, row))
-    exps = [jnp.exp(v - shift) for v in row]
-    total = functools.reduce(operator.add, exps)
-    inv = 1.0 / jnp.where(total > 0, total, 1.0)  # an all -inf row has no mass
-    probs.extend(e * inv for e in exps)
+  for row in x:
+    exps = jnp.exp(row - _shift(jnp.max(row, axis=1, keepdims=True)))
+    total = _row_sum(exps)
+    probs.append(exps * (1.0 / jnp.where(total > 0, total, 1.0)))  # all -inf: no mass
   return tuple(probs)
 
 
-def _init(x, plan: _Plan):
-  """The iterate before the first unit."""
+def _init(x, plan: _Plan, real_columns):
+  """The iterate before the first unit; x's padding columns are -inf."""
   if plan.softmax_init:
-    p = tuple(v + plan.eps for v in _softmax_rows(x, plan.n))
+    p = tuple(jnp.where(real_columns, q + plan.eps, 0.0) for q in _softmax_rows(x))
     return _normalize(p, plan, COLUMNS)[0]
-  shift = _shift(functools.reduce(jnp.maximum, x))
-  return tuple(jnp.exp(v - shift) for v in x)
+  return _exp_shifted(x)
 
 
-def _init_vjp(x, d_start, plan: _Plan):
+def _exp_shifted(x):
+  shift = _shift(functools.reduce(jnp.maximum, [jnp.max(row, axis=1, keepdims=True)
+                                                for row in x]))
+  return tuple(jnp.exp(row - shift) for row in x)
+
+
+def _init_vjp(x, d_start, plan: _Plan, real_columns):
   """Cotangent of the logits from that of the iterate :func:`_init` returns."""
-  if plan.softmax_init:
-    probs = _softmax_rows(x, plan.n)
-    p = tuple(v + plan.eps for v in probs)
-    start, inv, sums = _normalize(p, plan, COLUMNS)
-    d_probs = _normalize_vjp(start, inv, sums, d_start, plan, COLUMNS)
-    dots = _sums([g * q for g, q in zip(d_probs, probs)], plan.n, ROWS)
-    return tuple(q * (g - dots[k // plan.n]) for k, (g, q) in enumerate(zip(d_probs, probs)))
-  shift = _shift(functools.reduce(jnp.maximum, x))
-  return tuple(jnp.exp(v - shift) * g for v, g in zip(x, d_start))
+  if not plan.softmax_init:
+    return tuple(e * g for e, g in zip(_exp_shifted(x), d_start))
+  probs = _softmax_rows(x)
+  p = tuple(jnp.where(real_columns, q + plan.eps, 0.0) for q in probs)
+  start, inv, sums = _normalize(p, plan, COLUMNS)
+  d_probs = _normalize_vjp(start, inv, sums, d_start, plan, COLUMNS)
+  return tuple(q * (g - _row_sum(g * q)) for g, q in zip(d_probs, probs))
 
 
 def _segment_lengths(units: int, checkpoints: int) -> list[int]:
@@ -206,29 +231,46 @@ def _segment_lengths(units: int, checkpoints: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------
-# Kernels.
+# Kernels. Refs are [block_tokens, n * width] blocks: row i of a token's
+# matrix is columns i*width .. i*width + width - 1.
 
 
 def _token_mask(block: int, tokens: int):
   return block_mask(pl.program_id(0) * block, block, tokens)
 
 
-def _load_matrix(ref, valid):
-  """The block's n*n float32 columns, each [block_tokens, 1]; masked tokens read 0."""
-  return tuple(load_block(ref.at[:, pl.ds(k, 1)], rows=valid).astype(jnp.float32)
-               for k in range(ref.shape[1]))
+def _real_columns(n: int, width: int):
+  return (jnp.arange(width) < n)[None, :]
+
+
+def _load_matrix(ref, valid, n: int):
+  """The block's n rows in float32, each [block_tokens, width]; masked tokens read 0."""
+  width = ref.shape[1] // n
+  return tuple(load_block(ref.at[:, pl.ds(i * width, width)], rows=valid).astype(jnp.float32)
+               for i in range(n))
+
+
+def _load_logits(ref, valid, n: int):
+  """Like :func:`_load_matrix`, with -inf in the padding columns."""
+  x = _load_matrix(ref, valid, n)
+  width = ref.shape[1] // n
+  if width == n:
+    return x
+  return tuple(jnp.where(_real_columns(n, width), row, -jnp.inf) for row in x)
 
 
 def _store_matrix(ref, m, valid):
-  for k, v in enumerate(m):
-    store_block(ref.at[:, pl.ds(k, 1)], v.astype(ref.dtype), rows=valid)
+  width = m[0].shape[1]
+  for i, row in enumerate(m):
+    store_block(ref.at[:, pl.ds(i * width, width)], row.astype(ref.dtype), rows=valid)
 
 
 def sinkhorn_forward_kernel(x_ref, o_ref, *, plan: _Plan, tokens: int):
-  """x_ref: [block_tokens, n*n] logits (any float); o_ref: same block, float32."""
+  """x_ref: [block_tokens, n*width] logits (any float); o_ref: same block, float32."""
   valid = _token_mask(x_ref.shape[0], tokens)
-  x = _load_matrix(x_ref, valid)
-  out = lax.fori_loop(0, plan.units, lambda _, m: _unit(m, plan), _init(x, plan))
+  x = _load_logits(x_ref, valid, plan.n)
+  real = _real_columns(plan.n, x[0].shape[1])
+  out = lax.fori_loop(0, plan.units, lambda _, m: _unit(m, plan), _init(x, plan, real))
   _store_matrix(o_ref, out, valid)
 
 
@@ -236,19 +278,20 @@ def sinkhorn_unrolled_backward_kernel(x_ref, g_ref, dx_ref, *, plan: _Plan, toke
                                       checkpoints: int):
   """Exact VJP of the finite iteration, recomputing the iterates on chip.
 
-  x_ref: [block_tokens, n*n] logits; g_ref: float32 cotangent of the result;
+  x_ref: [block_tokens, n*width] logits; g_ref: float32 cotangent of the result;
   dx_ref: cotangent of the logits (logits dtype). Memory: ``checkpoints``
   iterates per token; work: units + sum over segments of len*(len-1)/2 units
   recomputed, plus the VJPs.
   """
   valid = _token_mask(x_ref.shape[0], tokens)
-  x = _load_matrix(x_ref, valid)
+  x = _load_logits(x_ref, valid, plan.n)
+  real = _real_columns(plan.n, x[0].shape[1])
   step = lambda _, m: _unit(m, plan)
   lengths = _segment_lengths(plan.units, checkpoints)
-  starts = [_init(x, plan)]
+  starts = [_init(x, plan, real)]
   for length in lengths[:-1]:
     starts.append(lax.fori_loop(0, length, step, starts[-1]))
-  grad = _load_matrix(g_ref, valid)
+  grad = _load_matrix(g_ref, valid, plan.n)
   for start, length in zip(reversed(starts), reversed(lengths)):
 
     def back(t, grad, start=start, length=length):
@@ -256,7 +299,7 @@ def sinkhorn_unrolled_backward_kernel(x_ref, g_ref, dx_ref, *, plan: _Plan, toke
       return _unit_vjp(before, grad, plan)
 
     grad = lax.fori_loop(0, length, back, grad)
-  _store_matrix(dx_ref, _init_vjp(x, grad, plan), valid)
+  _store_matrix(dx_ref, _init_vjp(x, grad, plan, real), valid)
 
 
 # CG on the corrected system stops along directions whose curvature p·Ap is
@@ -272,56 +315,48 @@ def sinkhorn_implicit_backward_kernel(r_ref, g_ref, dx_ref, *, n: int, tokens: i
   (diag(c) - Rᵀ diag(r)⁻¹ R) β = s_c - Rᵀ diag(r)⁻¹ s_r, solved by ``cg_steps``
   of conjugate gradients from β = 0 with b projected onto 1⊥ (the system's
   null direction) and a guarded curvature; u = diag(r)⁻¹ (s_r - R β);
-  dlogits = (dR - u 1ᵀ - 1 βᵀ) ⊙ R. r_ref: [block_tokens, n*n] float32 result R;
-  g_ref: its float32 cotangent; dx_ref: cotangent of the logits.
+  dlogits = (dR - u 1ᵀ - 1 βᵀ) ⊙ R. r_ref: [block_tokens, n*width] float32
+  result R (zero padding columns); g_ref: its float32 cotangent; dx_ref: the
+  cotangent of the logits. Column vectors (β, c, s_c) are [block_tokens, width].
   """
   valid = _token_mask(r_ref.shape[0], tokens)
-  r = _load_matrix(r_ref, valid)
-  g = _load_matrix(g_ref, valid)
-  add = lambda vs: functools.reduce(operator.add, vs)
-  row_sums, col_sums = _sums(r, n, ROWS), _sums(r, n, COLUMNS)
-  inv_rows = [1.0 / jnp.where(s > 0, s, 1.0) for s in row_sums]  # a zero row stays zero
+  r = _load_matrix(r_ref, valid, n)
+  g = _load_matrix(g_ref, valid, n)
+  col_sums = _sums(r, COLUMNS)
+  inv_rows = [1.0 / jnp.where(s > 0, s, 1.0) for s in _sums(r, ROWS)]  # zero rows stay 0
   weighted = tuple(a * b for a, b in zip(r, g))
-  s_rows, s_cols = _sums(weighted, n, ROWS), _sums(weighted, n, COLUMNS)
+  s_rows, s_cols = _sums(weighted, ROWS), _sums(weighted, COLUMNS)
 
-  def r_times(v):  # R v
-    return [add([r[i * n + j] * v[j] for j in range(n)]) for i in range(n)]
+  def r_times(v):  # R v, a row list
+    return [_row_sum(row * v) for row in r]
 
-  def rt_times(v):  # Rᵀ v
-    return [add([r[i * n + j] * v[i] for i in range(n)]) for j in range(n)]
+  def rt_times(v):  # Rᵀ v, a column array
+    return _add([row * x for row, x in zip(r, v)])
 
   def system(v):  # (diag(c) - Rᵀ diag(r)⁻¹ R) v
-    scaled = [w * s for w, s in zip(inv_rows, r_times(v))]
-    return [c * vj - t for c, vj, t in zip(col_sums, v, rt_times(scaled))]
+    return col_sums * v - rt_times([w * s for w, s in zip(inv_rows, r_times(v))])
 
-  def dot(a, b):
-    return add([x * y for x, y in zip(a, b)])
-
-  rhs = [sc - t for sc, t in zip(s_cols, rt_times([w * s for w, s in zip(inv_rows, s_rows)]))]
-  mean = add(rhs) * (1.0 / n)
-  rhs = [b - mean for b in rhs]
-  scale = functools.reduce(jnp.maximum, col_sums) * _CG_CURVATURE_FLOOR
+  rhs = s_cols - rt_times([w * s for w, s in zip(inv_rows, s_rows)])
+  rhs = jnp.where(_real_columns(n, rhs.shape[1]), rhs - _row_sum(rhs) * (1.0 / n), 0.0)
+  floor = jnp.max(col_sums, axis=1, keepdims=True) * _CG_CURVATURE_FLOOR
 
   def cg_step(_, carry):
     beta, res, p, rr, active = carry
     ap = system(p)
-    curvature = dot(p, ap)
-    active = active & (curvature > scale * dot(p, p))
+    curvature = _row_sum(p * ap)
+    active = active & (curvature > floor * _row_sum(p * p))
     alpha = jnp.where(active, rr / jnp.where(active, curvature, 1.0), 0.0)
-    beta = [b + alpha * q for b, q in zip(beta, p)]
-    res = [x - alpha * q for x, q in zip(res, ap)]
-    rr_next = dot(res, res)
+    beta = beta + alpha * p
+    res = res - alpha * ap
+    rr_next = _row_sum(res * res)
     gamma = jnp.where(active & (rr > 0), rr_next / jnp.where(rr > 0, rr, 1.0), 0.0)
-    p = [x + gamma * q for x, q in zip(res, p)]
-    return beta, res, p, rr_next, active
+    return beta, res, res + gamma * p, rr_next, active
 
-  zeros = [jnp.zeros_like(rhs[0])] * n
-  beta, *_ = lax.fori_loop(
-      0, cg_steps, cg_step,
-      (zeros, rhs, rhs, dot(rhs, rhs), jnp.ones(rhs[0].shape, jnp.bool_)))
+  rr = _row_sum(rhs * rhs)
+  beta, *_ = lax.fori_loop(0, cg_steps, cg_step,
+                           (jnp.zeros_like(rhs), rhs, rhs, rr, jnp.full(rr.shape, True)))
   u = [w * (s - t) for w, s, t in zip(inv_rows, s_rows, r_times(beta))]
-  dx = tuple((g[k] - u[k // n] - beta[k % n]) * r[k] for k in range(n * n))
-  _store_matrix(dx_ref, dx, valid)
+  _store_matrix(dx_ref, tuple((gi - ui - beta) * ri for gi, ui, ri in zip(g, u, r)), valid)
 
 
 # ---------------------------------------------------------------------------
@@ -329,46 +364,50 @@ def sinkhorn_implicit_backward_kernel(r_ref, g_ref, dx_ref, *, n: int, tokens: i
 
 
 def _launch(kernel, inputs, *, out_dtype, tiles: SinkhornTiles, interpret: bool, name: str):
-  tokens, width = inputs[0].shape
+  """Runs ``kernel`` over [T, n, n] inputs, rows zero-padded to a power-of-two width."""
+  tokens, n, _ = inputs[0].shape
+  width = pl.next_power_of_2(n)
+  flat = [pad_axis(x, 2, width).reshape(tokens, n * width) for x in inputs]
   block = tiles.block_tokens
-  spec = pl.BlockSpec((block, width), lambda i: (i, 0))
-  return pl.pallas_call(
+  spec = pl.BlockSpec((block, n * width), lambda i: (i, 0))
+  out = pl.pallas_call(
       functools.partial(kernel, tokens=tokens),
       grid=(cdiv(tokens, block),),
       in_specs=[spec] * len(inputs),
       out_specs=spec,
-      out_shape=jax.ShapeDtypeStruct((tokens, width), out_dtype),
+      out_shape=jax.ShapeDtypeStruct((tokens, n * width), out_dtype),
       compiler_params=compiler_params(tiles.num_warps, 1),
       interpret=interpret,
       name=name,
-  )(*inputs)
+  )(*flat)
+  return out.reshape(tokens, n, width)[:, :, :n]
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("n", "iters", "eps", "init", "tiles", "interpret"))
-def sinkhorn_forward(logits, *, n: int, iters: int, eps: float, init: str,
-                     tiles: SinkhornTiles, interpret: bool):
-  """logits: [T, n*n] (float32/bfloat16/float16); returns the [T, n*n] float32 projection."""
-  kernel = functools.partial(sinkhorn_forward_kernel, plan=_plan(n, iters, eps, init))
-  return _launch(kernel, (logits,), out_dtype=jnp.float32, tiles=tiles,
-                 interpret=interpret, name="jdet_sinkhorn")
+@functools.partial(jax.jit, static_argnames=("iters", "eps", "init", "tiles", "interpret"))
+def sinkhorn_forward(logits, *, iters: int, eps: float, init: str, tiles: SinkhornTiles,
+                     interpret: bool):
+  """logits: [T, n, n] (float32/bfloat16/float16); returns the [T, n, n] float32 projection."""
+  plan = _plan(logits.shape[-1], iters, eps, init)
+  return _launch(functools.partial(sinkhorn_forward_kernel, plan=plan), (logits,),
+                 out_dtype=jnp.float32, tiles=tiles, interpret=interpret, name="jdet_sinkhorn")
 
 
-@functools.partial(jax.jit,
-                   static_argnames=("n", "iters", "eps", "init", "tiles", "interpret"))
-def sinkhorn_unrolled_backward(logits, cotangent, *, n: int, iters: int, eps: float,
-                               init: str, tiles: SinkhornTiles, interpret: bool):
-  """logits: [T, n*n]; cotangent: [T, n*n] float32. Returns dlogits in logits' dtype."""
+@functools.partial(jax.jit, static_argnames=("iters", "eps", "init", "tiles", "interpret"))
+def sinkhorn_unrolled_backward(logits, cotangent, *, iters: int, eps: float, init: str,
+                               tiles: SinkhornTiles, interpret: bool):
+  """logits: [T, n, n]; cotangent: [T, n, n] float32. Returns dlogits in logits' dtype."""
   kernel = functools.partial(sinkhorn_unrolled_backward_kernel,
-                             plan=_plan(n, iters, eps, init), checkpoints=tiles.checkpoints)
+                             plan=_plan(logits.shape[-1], iters, eps, init),
+                             checkpoints=tiles.checkpoints)
   return _launch(kernel, (logits, cotangent), out_dtype=logits.dtype, tiles=tiles,
                  interpret=interpret, name="jdet_sinkhorn_unrolled_bwd")
 
 
-@functools.partial(jax.jit, static_argnames=("n", "out_dtype", "tiles", "interpret"))
-def sinkhorn_implicit_backward(result, cotangent, *, n: int, out_dtype,
-                               tiles: SinkhornTiles, interpret: bool):
-  """result, cotangent: [T, n*n] float32. Returns dlogits [T, n*n] in ``out_dtype``."""
+@functools.partial(jax.jit, static_argnames=("out_dtype", "tiles", "interpret"))
+def sinkhorn_implicit_backward(result, cotangent, *, out_dtype, tiles: SinkhornTiles,
+                               interpret: bool):
+  """result, cotangent: [T, n, n] float32. Returns dlogits [T, n, n] in ``out_dtype``."""
+  n = result.shape[-1]
   kernel = functools.partial(sinkhorn_implicit_backward_kernel, n=n, cg_steps=2 * n)
   return _launch(kernel, (result, cotangent), out_dtype=out_dtype, tiles=tiles,
                  interpret=interpret, name="jdet_sinkhorn_implicit_bwd")
