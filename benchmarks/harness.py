@@ -97,3 +97,17 @@ def interpret_warning() -> str | None:
 def random_normal(seed: int, shape, dtype) -> jax.Array:
   return jax.numpy.asarray(np.random.default_rng(seed).standard_normal(shape),
                            dtype=np.float32).astype(dtype)
+
+
+def print_report(op: str, rows: Callable[[Sequence], list[Row]], cases: Sequence,
+                 quick_cases: Sequence, *, quick: bool) -> list[Row]:
+  """A benchmark script's output: the device line, the interpret warning, the table.
+
+  Runs ``rows(quick_cases)`` when ``quick`` or without a GPU, else ``rows(cases)``.
+  """
+  print(f"# {op} on {device_description()}")
+  if interpret_warning():
+    print(interpret_warning())
+  table = rows(quick_cases if quick or not on_gpu() else cases)
+  print(markdown_table(table))
+  return table

@@ -1,0 +1,145 @@
+"""jdet.tri_inverse vs solve_triangular and jnp.linalg.inv, forward and forward+backward, f32.
+
+Each row also gives matrices/s and the relative error (max |X - X_exact| /
+max |X_exact|, vs float64 NumPy on a sample) on GDN chunks and on the hostile
+``a = -0.99 * (strictly lower ones)``, for jdet and for the baseline.
+``--sweep`` instead times every candidate tile config per n and checks that
+their bits agree (the measurement behind ``GPU_TILES`` in
+``pallas_kernels/tri_inverse.py``).
+
+Run: ``PYTHONPATH=. python3 benchmarks/bench_tri_inverse.py [--quick | --sweep]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jdet
+from benchmarks import harness
+from jdet.tri_inverse import gdn_chunk_matrices, hostile_chunk_matrices
+from pallas_kernels import tri_inverse as kernels
+
+# (matrices, n): GDN chunk counts (batch x heads x chunks) at chunk sizes 64 and 128.
+CASES = ((8192, 64), (65536, 64), (8192, 128), (65536, 128))
+QUICK_CASES = ((8, 16), (4, 64))  # CPU interpret: shapes that finish
+ACCURACY_SAMPLE = 64  # matrices of each family whose error is measured
+
+# Tile candidates per n for --sweep (matrices per program x warps); stages do
+# not matter: the kernels have no pipelined loop over loads.
+SWEEP = {
+    16: [(tb, w) for tb in (1, 4, 8, 16, 32) for w in (1, 2, 4)],
+    32: [(tb, w) for tb in (1, 2, 4, 8) for w in (1, 2, 4)],
+    64: [(tb, w) for tb in (1, 2, 4) for w in (2, 4, 8)],
+    128: [(tb, w) for tb in (1, 2) for w in (4, 8)],
+}
+SWEEP_MATRICES = 8192
+
+
+def _identity_like(a):
+  return jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+
+
+def _linalg_inv(a):
+  """The dense baseline: ``jnp.linalg.inv(I - tril(a, -1))`` (LU, pivoting)."""
+  return jnp.linalg.inv(_identity_like(a) - jnp.tril(a, -1))
+
+
+BASELINES = (("solve_triangular", jdet.tri_inverse_reference),
+             ("jnp.linalg.inv", _linalg_inv))
+
+
+def _fwd_bwd(fn):
+  def run(a, g):
+    x, vjp = jax.vjp(fn, a)
+    return x, *vjp(g)
+  return run
+
+
+def _errors(fn, n) -> str:
+  """'gdn error / hostile error' of ``fn`` against a float64 NumPy inverse."""
+  results = []
+  for a in (gdn_chunk_matrices(jax.random.key(n), ACCURACY_SAMPLE, n),
+            hostile_chunk_matrices(ACCURACY_SAMPLE, n)):
+    exact = np.linalg.inv(np.eye(n) - np.tril(np.asarray(a, np.float64), -1))
+    error = np.abs(np.asarray(jax.jit(fn)(a), np.float64) - exact).max()
+    results.append(f"{error / np.abs(exact).max():.1e}")
+  return " / ".join(results)
+
+
+def rows(cases=CASES) -> list[harness.Row]:
+  """Forward and forward+backward rows for every (matrices, n) case, both baselines."""
+  result = []
+  for count, n in cases:
+    per_set = 4 * count * n * n * 4  # a, g, X, dA in f32
+    # One set on CPU: XLA:CPU (jax 0.10.2) hung on 8 batched jnp.linalg.inv in one jit.
+    copies = harness.copies_for(per_set) if harness.on_gpu() else 1
+    sets = [(gdn_chunk_matrices(jax.random.key(i), count, n),
+             harness.random_normal(i, (count, n, n), jnp.float32))
+            for i in range(copies)]
+    jdet_error = _errors(jdet.tri_inverse, n)
+    baseline_errors = {name: _errors(fn, n) for name, fn in BASELINES}
+    for pass_, wrap, args in (("fwd", lambda f: f, [s[:1] for s in sets]),
+                              ("fwd+bwd", _fwd_bwd, sets)):
+      ours = harness.time_us(wrap(jdet.tri_inverse), args)
+      for name, baseline in BASELINES:
+        theirs = harness.time_us(wrap(baseline), args)
+        result.append(harness.Row(
+            "tri_inverse", f"{count} x {n}x{n}", pass_, ours, name, theirs,
+            {"jdet matrices/s": f"{count / ours * 1e6:.3g}",
+             "baseline matrices/s": f"{count / theirs * 1e6:.3g}",
+             "jdet error gdn / hostile": jdet_error,
+             "baseline error gdn / hostile": baseline_errors[name]}))
+        print(harness.markdown_table(result[-1:]).splitlines()[-1], flush=True)
+  return result
+
+
+def sweep(sizes=tuple(SWEEP)):
+  """Times every candidate tile config per n, forward and backward; checks the bits agree."""
+  hi = jax.lax.Precision.HIGHEST
+  print("| n | matrices/program | warps | fwd us | bwd us | bits equal |\n" + "|---" * 6 + "|")
+  for n in sizes:
+    a = gdn_chunk_matrices(jax.random.key(n), SWEEP_MATRICES, n)
+    g = harness.random_normal(n, a.shape, jnp.float32)
+    reference = None
+    for per_program, warps in SWEEP[n]:
+      tiles = kernels.TriInverseTiles(per_program, warps, 1)
+      forward = functools.partial(kernels.tri_inverse, method="blocked", precision=hi,
+                                  tiles=tiles, interpret=False)
+      backward = functools.partial(kernels.tri_inverse_backward, out_dtype=jnp.float32,
+                                   precision=hi, tiles=tiles, interpret=False)
+      try:
+        x = forward(a)
+        outputs = (np.asarray(x), np.asarray(backward(x, g)))
+        reference = outputs if reference is None else reference
+        equal = all(np.array_equal(o.view(np.uint32), r.view(np.uint32))
+                    for o, r in zip(outputs, reference))
+        fwd_us = harness.time_us(forward, [(a,)])
+        bwd_us = harness.time_us(backward, [(x, g)])
+        print(f"| {n} | {per_program} | {warps} | {fwd_us:.1f} | {bwd_us:.1f} | {equal} |",
+              flush=True)
+      except Exception as error:  # a config Triton cannot compile is a result, not a stop
+        print(f"| {n} | {per_program} | {warps} | failed: {type(error).__name__}: "
+              f"{str(error).splitlines()[0][:120]} | | |", flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+  parser.add_argument("--sweep", action="store_true", help="time the GPU tile candidates (GPU only)")
+  parser.add_argument("--sizes", type=int, nargs="*", default=list(SWEEP),
+                      help="n values for --sweep")
+  args = parser.parse_args()
+  if args.sweep:
+    print(f"# jdet.tri_inverse tile sweep on {harness.device_description()}")
+    sweep(args.sizes)
+  else:
+    harness.print_report("jdet.tri_inverse", rows, CASES, QUICK_CASES, quick=args.quick)
+
+
+if __name__ == "__main__":
+  main()
