@@ -56,11 +56,13 @@ def rows(cases=CASES, dtype=jnp.bfloat16) -> list[harness.Row]:
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+  parser.add_argument("--m", type=int, action="append", help="only these M (repeatable)")
   args = parser.parse_args()
   print(f"# jdet.matmul on {harness.device_description()}")
   if harness.interpret_warning():
     print(harness.interpret_warning())
-  table = rows(QUICK_CASES if args.quick or not harness.on_gpu() else CASES)
+  cases = QUICK_CASES if args.quick or not harness.on_gpu() else CASES
+  table = rows([c for c in cases if not args.m or c[0] in args.m])
   print(harness.markdown_table(table))
 
 

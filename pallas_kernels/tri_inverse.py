@@ -42,16 +42,20 @@ class TriInverseTiles:
   num_stages: int
 
 
-# GPU tiles by matrix size n (never by the number of matrices). Not measured
-# yet: first guesses from register use (X and its gradient are held as n²/512
-# lower 16x16 blocks of f32), to be replaced by the winners of
-# `benchmarks/bench_tri_inverse.py --sweep` on the H100. Small matrices share a
-# program so that a program does enough work to hide its launch.
+# GPU tiles by matrix size n (never by the number of matrices). n = 64 and 128
+# were measured on the H100 (`benchmarks/bench_tri_inverse.py --sweep`,
+# 2026-11-22, jax 0.11.2, 8192 matrices, CUPTI kernel time; every candidate gave
+# the same bits): n = 64, one matrix and 4 warps: 213 us forward, 237 us
+# backward (2 warps: 213 / 412; 8 warps: 441 / 383; 2 or 4 matrices a program:
+# 217-255 / 252-452). n = 128, one matrix: 4 warps 1025 / 19652 us, 8 warps
+# 1750 / 27949 us (the backward spills registers). n = 16 and 32 are first
+# guesses from register use: small matrices share a program so that a program
+# does enough work to hide its launch.
 GPU_TILES = {
     16: TriInverseTiles(8, 1, 1),
     32: TriInverseTiles(4, 2, 1),
     64: TriInverseTiles(1, 4, 1),
-    128: TriInverseTiles(1, 8, 1),
+    128: TriInverseTiles(1, 4, 1),
 }
 
 # Interpret mode (CPU): one config for every n. Two matrices per program so
