@@ -132,7 +132,8 @@ def _gemm(a, b, config: _GemmConfig):
   return kernels.matmul(
       a_p, b_p, transpose_b=False, out_dtype=config.out_dtype,
       precision=config.precision,
-      tiles=kernels.matmul_tiles(a.shape[1], b.shape[2], interpret=config.interpret),
+      tiles=kernels.matmul_tiles(a.shape[1], b.shape[2], a.dtype.itemsize,
+                                  interpret=config.interpret),
       interpret=config.interpret)
 
 
@@ -150,7 +151,7 @@ def _gemm_bwd(config, residuals, dc):
   da = kernels.matmul(
       pad_axis(dc, 2, kernels.BLOCK_K), pad_axis(b.astype(dtype), 2, kernels.BLOCK_K),
       transpose_b=True, out_dtype=a.dtype, precision=config.precision,
-      tiles=kernels.matmul_tiles(r, k, interpret=config.interpret),
+      tiles=kernels.matmul_tiles(r, k, jnp.dtype(dtype).itemsize, interpret=config.interpret),
       interpret=config.interpret)
   # dB = Aᵀ @ dC: reduced over rows (all groups' rows when b is shared) in
   # fixed 64-row steps; zero rows pad the last step.
@@ -159,7 +160,7 @@ def _gemm_bwd(config, residuals, dc):
   db = kernels.matmul_at_b(
       pad_axis(a.astype(dtype), 1, kernels.BLOCK_K), pad_axis(dc, 1, kernels.BLOCK_K),
       out_dtype=b.dtype, precision=config.precision,
-      tiles=kernels.at_b_tiles(k, n, interpret=config.interpret),
+      tiles=kernels.at_b_tiles(k, n, jnp.dtype(dtype).itemsize, interpret=config.interpret),
       interpret=config.interpret)
   return da, db
 

@@ -78,20 +78,36 @@ GPU_AT_B_TILES = MatmulTiles(128, 256, 8, 3)
 INTERPRET_TILES = MatmulTiles(32, 32, 4, 1)
 
 
-def matmul_tiles(m: int, n: int, *, interpret: bool) -> MatmulTiles:
-  """Forward/dA tiles for an [m, n] result (any K)."""
+# Shared memory a Triton program may use on the H100 (232,448 bytes reported by
+# the driver), less headroom for the compiler's own scratch.
+GPU_SHARED_MEMORY_BYTES = 224 * 1024
+
+
+def fit_stages(tiles: MatmulTiles, itemsize: int) -> MatmulTiles:
+  """Lowers num_stages until the pipelined A and B blocks fit in shared memory.
+
+  Stages only change how far ahead blocks are loaded, never the sums. The bf16
+  tiles above fit as they are; float32 needs fewer stages for 128 x 256.
+  """
+  per_stage = (tiles.block_m + tiles.block_n) * BLOCK_K * itemsize
+  stages = max(1, min(tiles.num_stages, GPU_SHARED_MEMORY_BYTES // per_stage))
+  return dataclasses.replace(tiles, num_stages=stages)
+
+
+def matmul_tiles(m: int, n: int, itemsize: int, *, interpret: bool) -> MatmulTiles:
+  """Forward/dA tiles for an [m, n] result (any K) of ``itemsize``-byte operands."""
   if interpret:
     return INTERPRET_TILES
   for tiles in GPU_MATMUL_LADDER:
     if cdiv(m, tiles.block_m) * cdiv(n, tiles.block_n) >= GPU_MIN_PROGRAMS:
-      return tiles
-  return GPU_MATMUL_LADDER[-1]
+      return fit_stages(tiles, itemsize)
+  return fit_stages(GPU_MATMUL_LADDER[-1], itemsize)
 
 
-def at_b_tiles(k: int, n: int, *, interpret: bool) -> MatmulTiles:
+def at_b_tiles(k: int, n: int, itemsize: int, *, interpret: bool) -> MatmulTiles:
   """dB tiles for a [k, n] result; never a function of the row count."""
   del k, n
-  return INTERPRET_TILES if interpret else GPU_AT_B_TILES
+  return INTERPRET_TILES if interpret else fit_stages(GPU_AT_B_TILES, itemsize)
 
 
 def tile_coords(t, num_m: int, num_n: int, group_m: int):

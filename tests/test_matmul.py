@@ -4,6 +4,7 @@ The same tests run in Pallas interpret mode on CPU and natively on a GPU; the
 ``gpu``-marked sweep covers every tile config the dispatcher can choose.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -205,8 +206,8 @@ def test_gpu_invariance_envelope_every_tile_config(k, n):
   da_reference, _ = mm_grads(a, b, g)
   changes = [m for m in range(2, total + 1)
              for out_n in (n, k)
-             if kernels.matmul_tiles(m, out_n, interpret=False)
-             != kernels.matmul_tiles(m - 1, out_n, interpret=False)]
+             if kernels.matmul_tiles(m, out_n, 2, interpret=False)
+             != kernels.matmul_tiles(m - 1, out_n, 2, interpret=False)]
   sizes = sorted({1, 2, 3, 7, 100, total} | {c for m in changes for c in (m - 1, m)})
   for m in sizes:
     assert_bitwise_equal(mm(a[:m], b), reference[:m], what=f"forward M={m}")
@@ -214,3 +215,21 @@ def test_gpu_invariance_envelope_every_tile_config(k, n):
     assert_bitwise_equal(da, da_reference[:m], what=f"dA M={m}")
   for i in range(0, total, 397):
     assert_bitwise_equal(mm(a[i:i + 1], b), reference[i:i + 1], what=f"row {i} alone")
+
+
+@pytest.mark.gpu
+def test_gpu_float32_large_tiles_fit_and_match_fewer_stages():
+  """float32 at large M (128 x 256 tiles) fits shared memory, with any stage count."""
+  rng = np.random.default_rng(6)
+  a, b = _normal(rng, (2048, 1024)), _normal(rng, (1024, 2048))
+  hi = jax.lax.Precision.HIGHEST
+  out = jdet.matmul(a, b, precision=hi)
+  ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+  assert np.abs(np.asarray(out) - ref).max() < TOLERANCE[jnp.float32] * np.abs(ref).max()
+  da, db = jax.grad(lambda a, b: jnp.sum(jdet.matmul(a, b, precision=hi) ** 2), (0, 1))(a, b)
+  assert np.isfinite(np.asarray(da)).all() and np.isfinite(np.asarray(db)).all()
+  tiles = kernels.matmul_tiles(2048, 2048, 4, interpret=False)
+  launch = functools.partial(kernels.matmul, transpose_b=False, out_dtype=jnp.float32,
+                             precision=hi, interpret=False)
+  fewer = dataclasses.replace(tiles, num_stages=1)
+  assert_bitwise_equal(launch(a[None], b[None], tiles=fewer)[0], out, what="1 stage vs fitted")
