@@ -58,12 +58,8 @@ def main():
   parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
   parser.add_argument("--m", type=int, action="append", help="only these M (repeatable)")
   args = parser.parse_args()
-  print(f"# jdet.matmul on {harness.device_description()}")
-  if harness.interpret_warning():
-    print(harness.interpret_warning())
-  cases = QUICK_CASES if args.quick or not harness.on_gpu() else CASES
-  table = rows([c for c in cases if not args.m or c[0] in args.m])
-  print(harness.markdown_table(table))
+  harness.print_report("jdet.matmul", rows, [c for c in CASES if not args.m or c[0] in args.m],
+                       QUICK_CASES, quick=args.quick)
 
 
 if __name__ == "__main__":

@@ -78,11 +78,7 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
   args = parser.parse_args()
-  print(f"# jdet.sinkhorn on {harness.device_description()}")
-  if harness.interpret_warning():
-    print(harness.interpret_warning())
-  table = rows(QUICK_CASES if args.quick or not harness.on_gpu() else CASES)
-  print(harness.markdown_table(table))
+  harness.print_report("jdet.sinkhorn", rows, CASES, QUICK_CASES, quick=args.quick)
 
 
 if __name__ == "__main__":
