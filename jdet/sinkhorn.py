@@ -51,6 +51,12 @@ def sinkhorn(logits, *, iters=20, eps=1e-6, init="softmax", grad="unrolled", int
       ``"implicit"``: the gradient at the fixed point, from the linear system
       corrected for the row sums r and column sums c of the result; it is
       trustworthy once :func:`sinkhorn_residual` is small (see there).
+      Known CPU limitation: in interpret mode the kernel runs as XLA:CPU code,
+      and XLA:CPU fuses ``a*b + c`` into FMAs per program. When the cotangent
+      is the result itself (e.g. the loss ``0.5 * sum(R**2)``), the program
+      can round one row sum differently (1 ulp, ~1e-7 in the gradient)
+      between contexts such as ``jit(grad)`` and ``vmap``. The GPU kernel is
+      compiled on its own and is not affected.
     interpret: ``None`` picks by platform (Triton on GPU, interpret on CPU).
 
   Returns:
