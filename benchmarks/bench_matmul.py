@@ -53,13 +53,47 @@ def rows(cases=CASES, dtype=jnp.bfloat16) -> list[harness.Row]:
   return result
 
 
+def plot_ratio_vs_m(table: list[harness.Row], path: str) -> None:
+  """One line per (K, N) and pass: XLA time / jdet time against M (log scale)."""
+  import matplotlib
+  matplotlib.use("Agg")
+  from matplotlib import pyplot as plt
+  fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
+  for ax, pass_ in zip(axes, ("fwd", "fwd+bwd")):
+    series = {}
+    for row in table:
+      if row.pass_ == pass_:
+        m, k, n = (int(part.split("=")[1]) for part in row.case.split())
+        series.setdefault((k, n), []).append((m, row.speedup))
+    for (k, n), points in sorted(series.items()):
+      ax.plot(*zip(*sorted(points)), "o-", label=f"K={k} N={n}")
+    ax.set_xscale("log", base=2)
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xlabel("M (rows)")
+    ax.set_title(f"jdet.matmul {pass_}, bf16, H100")
+  axes[0].set_ylabel("XLA time / jdet time")
+  axes[1].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
   parser.add_argument("--m", type=int, action="append", help="only these M (repeatable)")
+  parser.add_argument("--plot", metavar="PNG", help="also plot the ratio against M")
+  parser.add_argument("--from-results", metavar="MD",
+                      help="plot rows recorded in a results file instead of measuring")
   args = parser.parse_args()
-  harness.print_report("jdet.matmul", rows, [c for c in CASES if not args.m or c[0] in args.m],
-                       QUICK_CASES, quick=args.quick)
+  if args.from_results:
+    with open(args.from_results) as f:
+      plot_ratio_vs_m(harness.rows_from_markdown(f.read(), "matmul"), args.plot)
+    return
+  table = harness.print_report("jdet.matmul", rows,
+                               [c for c in CASES if not args.m or c[0] in args.m],
+                               QUICK_CASES, quick=args.quick)
+  if args.plot:
+    plot_ratio_vs_m(table, args.plot)
 
 
 if __name__ == "__main__":

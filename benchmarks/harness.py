@@ -87,6 +87,21 @@ def markdown_table(rows: Sequence[Row]) -> str:
   return "\n".join(lines)
 
 
+def rows_from_markdown(text: str, op: str) -> list[Row]:
+  """Reads back the rows of ``op`` from tables written by :func:`markdown_table`."""
+  rows, head = [], None
+  for line in text.splitlines():
+    cells = [c.strip() for c in line.strip().strip("|").split("|")]
+    if cells[:3] == ["op", "case", "pass"]:
+      head = cells
+    elif head and len(cells) == len(head) and cells[0] == op:
+      record = dict(zip(head, cells))
+      extra = {k: v for k, v in record.items() if k not in head[:7]}
+      rows.append(Row(op, record["case"], record["pass"], float(record["jdet us"]),
+                      record["baseline"], float(record["baseline us"]), extra))
+  return rows
+
+
 def interpret_warning() -> str | None:
   if on_gpu():
     return None
