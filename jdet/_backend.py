@@ -10,12 +10,12 @@ FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.f
 
 
 def _platform(arrays) -> str:
+  """The platform of the first concrete input; under a trace, the default backend."""
   for x in arrays:
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
-      try:
-        return next(iter(x.devices())).platform
-      except (AttributeError, StopIteration, RuntimeError):
-        continue
+    try:
+      return next(iter(x.devices())).platform
+    except (AttributeError, StopIteration, jax.errors.ConcretizationTypeError):
+      continue
   return jax.default_backend()
 
 
