@@ -12,14 +12,10 @@ def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
-def round_up(a: int, multiple: int) -> int:
-  return cdiv(a, multiple) * multiple
-
-
 def pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
   """Zero-pads ``x`` along ``axis`` up to the next multiple of ``multiple``."""
   size = x.shape[axis]
-  extra = round_up(size, multiple) - size
+  extra = cdiv(size, multiple) * multiple - size
   if extra == 0:
     return x
   widths = [(0, 0)] * x.ndim
@@ -85,6 +81,5 @@ __all__ = [
     "dot_f32",
     "load_block",
     "pad_axis",
-    "round_up",
     "store_block",
 ]
