@@ -154,11 +154,15 @@ def _progress(i: int, total: int, label: str) -> None:
 
 
 def format_results(results: list[Result]) -> str:
-  head = "| op | case | invariant | deterministic | max rel error | tolerance | seconds | status |"
-  lines = [head, "|---|---|---|---|---|---|---|---|"]
+  head = ("| op | case | batch sizes tried | invariant | deterministic | max rel error | "
+          "tolerance | seconds | status |")
+  lines = [head, "|---|---|---|---|---|---|---|---|---|"]
   for r in results:
+    total = jax.tree.leaves(r.case.args[0])[0].shape[0]
+    tried = ",".join(str(b) for b in r.case.batch_sizes if b <= total)
     lines.append(
-        f"| {r.case.op} | {r.case.label} | {'yes' if r.invariant else 'NO'} | "
+        f"| {r.case.op} | {r.case.label} | {tried},{total}, padded, vmap | "
+        f"{'yes' if r.invariant else 'NO'} | "
         f"{'yes' if r.deterministic else 'NO'} | {r.error:.2e} | {r.case.tolerance:.0e} | "
         f"{r.seconds:.1f} | {'ok' if r.ok else 'FAIL'} |")
   return "\n".join(lines)
