@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental.pallas import triton as pltriton
 
@@ -25,6 +26,26 @@ def pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def run_as_own_program(kernel, result: jax.ShapeDtypeStruct, *args):
+  """Runs a row-wise interpret-mode ``kernel(*args)`` as a separately compiled program.
+
+  XLA:CPU decides per program whether ``a*b + c`` becomes one FMA, so a kernel
+  inlined into different programs (``jit(grad)``, ``vmap``, aliased inputs) can
+  round differently. Calling it through a host callback gives it one program of
+  its own whatever surrounds it. ``kernel`` maps arrays whose leading axis is
+  the row axis to a ``result``-shaped array, each row on its own; under
+  ``vmap`` the (broadcast) extra leading axes are folded into the rows. CPU only.
+  """
+  rank = len(result.shape)
+
+  def host(*arrays):
+    lead = arrays[0].shape[:arrays[0].ndim - rank]
+    rows = [np.asarray(a).reshape((-1,) + a.shape[len(lead) + 1:]) for a in arrays]
+    return np.asarray(kernel(*rows)).reshape(lead + result.shape)
+
+  return jax.pure_callback(host, result, *args, vmap_method="broadcast_all")
 
 
 def dot_f32(a, b, *, trans_a: bool = False, trans_b: bool = False, precision=None):
@@ -81,5 +102,6 @@ __all__ = [
     "dot_f32",
     "load_block",
     "pad_axis",
+    "run_as_own_program",
     "store_block",
 ]

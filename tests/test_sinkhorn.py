@@ -243,3 +243,16 @@ def test_gpu_invariance_and_accuracy_at_scale(n, init):
   np.testing.assert_allclose(full[0][sample], want, rtol=0, atol=FORWARD_ATOL)
   assert _relative_error(full[1][sample], want_dx) < GRAD_RTOL
   assert_deterministic(fn, x, g, runs=3)
+
+
+def test_implicit_gradient_same_bits_in_every_program():
+  """The loss 0.5 * sum(R**2) makes the cotangent the result itself. Inlined into
+  different programs, XLA:CPU once rounded a row sum of the interpret kernel 1 ulp
+  apart (per-program FMA choices); the kernel now runs as its own program."""
+  x = _logits(51, (32, 4, 4), spread=1.0)
+  project = lambda x: jdet.sinkhorn(x, grad="implicit")
+  grad = jax.grad(lambda x: 0.5 * jnp.sum(project(x) ** 2))
+  vjp = lambda x, g: jax.vjp(project, x)[1](g)[0]
+  result = jax.jit(project)(x)
+  assert_bitwise_equal(jax.jit(grad)(x), jax.jit(vjp)(x, result), what="jit(grad) vs jit(vjp)")
+  assert_batch_invariant(grad, x, batch_sizes=(1, 7), vmap_splits=(2, 4))
