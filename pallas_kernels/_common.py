@@ -59,6 +59,15 @@ def dot_f32(a, b, *, trans_a: bool = False, trans_b: bool = False, precision=Non
                          preferred_element_type=jnp.float32)
 
 
+def sum_in_order(terms):
+  """Left-to-right sum of a non-empty sequence of arrays: the one fixed order
+  every kernel uses for sums it unrolls."""
+  total = terms[0]
+  for term in terms[1:]:
+    total = total + term
+  return total
+
+
 def block_mask(start, block: int, limit: int):
   """Boolean [block] vector: which of the indices start..start+block-1 are < limit."""
   return start + jnp.arange(block) < limit
@@ -104,4 +113,5 @@ __all__ = [
     "pad_axis",
     "run_as_own_program",
     "store_block",
+    "sum_in_order",
 ]

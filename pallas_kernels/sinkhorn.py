@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +37,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params,
-                                    load_block, pad_axis, store_block)
+                                    load_block, pad_axis, store_block,
+                                    sum_in_order)
 
 MAX_N = 16
 INITS = ("softmax", "exp")
@@ -123,18 +123,13 @@ def _plan(n: int, iters: int, eps: float, init: str) -> _Plan:
 # array, row quantities a list of n [block_tokens, 1] arrays.
 
 
-def _add(values):
-  """Left-to-right sum of a list of arrays (a fixed order)."""
-  return functools.reduce(operator.add, values)
-
-
 def _row_sum(row):
   return jnp.sum(row, axis=1, keepdims=True)
 
 
 def _sums(m, axis: int):
   """The column sums (axis 0: one array) or the row sums (axis 1: a list)."""
-  return _add(m) if axis == COLUMNS else [_row_sum(row) for row in m]
+  return sum_in_order(m) if axis == COLUMNS else [_row_sum(row) for row in m]
 
 
 def _per_row(values, axis: int, i: int):
@@ -339,7 +334,7 @@ def sinkhorn_implicit_backward_kernel(r_ref, g_ref, dx_ref, *, n: int, tokens: i
     return [_row_sum(row * v) for row in r]
 
   def rt_times(v):  # Rᵀ v, a column array
-    return _add([row * x for row, x in zip(r, v)])
+    return sum_in_order([row * x for row, x in zip(r, v)])
 
   def system(v):  # (diag(c) - Rᵀ diag(r)⁻¹ R) v
     return col_sums * v - rt_times([w * s for w, s in zip(inv_rows, r_times(v))])

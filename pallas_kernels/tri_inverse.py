@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import compiler_params, dot_f32
+from pallas_kernels._common import compiler_params, dot_f32, sum_in_order
 
 TILE = 16
 SIZES = (16, 32, 64, 128)
@@ -70,14 +70,6 @@ def tri_inverse_tiles(n: int, *, interpret: bool) -> TriInverseTiles:
 
 def _iota(axis: int):
   return lax.broadcasted_iota(jnp.int32, (TILE, TILE), axis)
-
-
-def _sum_in_order(terms):
-  """Left-to-right sum of a non-empty sequence: the one order every kernel uses."""
-  total = terms[0]
-  for term in terms[1:]:
-    total = total + term
-  return total
 
 
 def _strictly_lower(block):
@@ -140,12 +132,12 @@ def tri_inverse_blocked_kernel(a_ref, x_ref, *, precision):
         top = range(start, start + size)
         bottom = range(start + size, start + 2 * size)
         a21 = {(p, r): _load_tile(a_ref, t, p, r) for p in bottom for r in top}
-        t21 = {(p, q): _sum_in_order([dot(a21[p, r], x[r, q])
+        t21 = {(p, q): sum_in_order([dot(a21[p, r], x[r, q])
                                       for r in top if r >= q])
                for p in bottom for q in top}
         for p in bottom:
           for q in top:
-            x[p, q] = _sum_in_order([dot(x[p, r], t21[r, q])
+            x[p, q] = sum_in_order([dot(x[p, r], t21[r, q])
                                      for r in bottom if r <= p])
       size *= 2
     zeros = jnp.zeros((TILE, TILE), jnp.float32)
@@ -203,7 +195,7 @@ def tri_inverse_backward_kernel(x_ref, g_ref, da_ref, *, precision):
     g = {(i, j): _load_tile(g_ref, t, i, j) for i in range(count) for j in range(i + 1)}
     for i in range(count):
       g[i, i] = _strictly_lower(g[i, i])
-    p = {(i, l): _sum_in_order([dot(x[k, i], g[k, l], trans_a=True)
+    p = {(i, l): sum_in_order([dot(x[k, i], g[k, l], trans_a=True)
                                 for k in range(i, count)])
          for i in range(count) for l in range(i + 1)}
     zeros = jnp.zeros((TILE, TILE), jnp.float32)
@@ -212,7 +204,7 @@ def tri_inverse_backward_kernel(x_ref, g_ref, da_ref, *, precision):
         if j > i:
           _store_tile(da_ref, t, i, j, zeros)
           continue
-        block = _sum_in_order([dot(p[i, l], x[j, l], trans_b=True)
+        block = sum_in_order([dot(p[i, l], x[j, l], trans_b=True)
                                for l in range(j + 1)])
         _store_tile(da_ref, t, i, j, _strictly_lower(block) if i == j else block)
     return carry
