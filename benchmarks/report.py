@@ -34,17 +34,12 @@ def _plot(rows, path) -> bool:
 
 
 def main(ops, out_dir=None) -> int:
-  print(f"# jdet bench on {harness.device_description()}")
-  warning = harness.interpret_warning()
-  if warning:
-    print(warning)
-  rows = []
-  for op in ops:
-    module = importlib.import_module(f"benchmarks.bench_{op}")
-    cases = module.CASES if harness.on_gpu() else module.QUICK_CASES
-    rows.extend(module.rows(cases))
+  modules = [importlib.import_module(f"benchmarks.bench_{op}") for op in ops]
+  rows = harness.print_report(
+      "jdet bench", lambda selected: [r for module, cases in selected for r in module.rows(cases)],
+      [(m, m.CASES) for m in modules], [(m, m.QUICK_CASES) for m in modules], quick=False)
   table = harness.markdown_table(rows)
-  print(table)
+  warning = harness.interpret_warning()
   if out_dir:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "results.md"), "w") as f:
