@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jdet import _triton_backend
 from jdet._backend import as_array, check_float, check_ndim, use_interpret
 from pallas_kernels import matmul as kernels
 from pallas_kernels._common import pad_axis
@@ -20,9 +21,14 @@ class _GemmConfig:
   precision: lax.Precision | None
   out_dtype: np.dtype
   interpret: bool
+  backend: str = "pallas"
 
 
-def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None):
+BACKENDS = ("pallas", "triton")
+
+
+def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None,
+           backend="pallas"):
   """Batch-invariant ``a @ b`` with a fixed float32 reduction order.
 
   Args:
@@ -35,6 +41,10 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None)
       IEEE float32.
     preferred_element_type: output dtype; defaults to ``jnp.result_type(a, b)``.
     interpret: ``None`` picks by platform (Triton on GPU, interpret on CPU).
+    backend: ``"pallas"`` (default) runs the Pallas kernels; ``"triton"`` runs
+      the same GEMM written in Triton, launched by jax-triton (NVIDIA GPU only;
+      install with ``pip install 'jdet[triton]'``). Both keep the contract below;
+      ``benchmarks/results/h100.md`` records whether their bits agree.
 
   Returns:
     ``[..., M, N]``. Mixed input dtypes are cast to ``jnp.result_type(a, b)``;
@@ -72,7 +82,7 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None)
         f"preferred_element_type must be bfloat16, float16 or float32, got {out_dtype}")
   if precision is not None:
     precision = lax.Precision(precision)
-  config = _GemmConfig(precision, out_dtype, use_interpret(interpret, a, b))
+  config = _GemmConfig(precision, out_dtype, _interpret_for(backend, interpret, a, b), backend)
   a = a.astype(compute_dtype)
   b = b.astype(compute_dtype)
   if a.size == 0 or b.size == 0:
@@ -81,6 +91,36 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None)
     out = _gemm(a.reshape(1, -1, k), b[None], config)
     return out.reshape(*a.shape[:-1], n)
   return _batched(a, b, batch, config)
+
+
+def _interpret_for(backend: str, interpret, a, b) -> bool:
+  """Checks ``backend`` (and that Triton can run here) and resolves ``interpret``."""
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if backend == "pallas":
+    return use_interpret(interpret, a, b)
+  _triton_backend.load_jax_triton()
+  if interpret or use_interpret(None, a, b):
+    raise ValueError(
+        "backend='triton' runs only on an NVIDIA GPU (it has no interpret mode); "
+        "use backend='pallas' on CPU")
+  return False
+
+
+def _launch_matmul(config: _GemmConfig, a, b, *, transpose_b, out_dtype, tiles):
+  if config.backend == "triton":
+    return _triton_backend.matmul(a, b, transpose_b=transpose_b, out_dtype=out_dtype,
+                                  precision=config.precision, tiles=tiles)
+  return kernels.matmul(a, b, transpose_b=transpose_b, out_dtype=out_dtype,
+                        precision=config.precision, tiles=tiles, interpret=config.interpret)
+
+
+def _launch_at_b(config: _GemmConfig, a, d, *, out_dtype, tiles):
+  if config.backend == "triton":
+    return _triton_backend.matmul_at_b(a, d, out_dtype=out_dtype, precision=config.precision,
+                                       tiles=tiles)
+  return kernels.matmul_at_b(a, d, out_dtype=out_dtype, precision=config.precision,
+                             tiles=tiles, interpret=config.interpret)
 
 
 def _batched(a, b, batch, config):
@@ -129,12 +169,10 @@ def _gemm(a, b, config: _GemmConfig):
   """a: [G, R, K]; b: [Gb, K, N] with Gb in {1, G}; returns [G, R, N]."""
   a_p = pad_axis(a, 2, kernels.BLOCK_K)
   b_p = pad_axis(b, 1, kernels.BLOCK_K)
-  return kernels.matmul(
-      a_p, b_p, transpose_b=False, out_dtype=config.out_dtype,
-      precision=config.precision,
+  return _launch_matmul(
+      config, a_p, b_p, transpose_b=False, out_dtype=config.out_dtype,
       tiles=kernels.matmul_tiles(a.shape[1], b.shape[2], a.dtype.itemsize,
-                                  interpret=config.interpret),
-      interpret=config.interpret)
+                                  interpret=config.interpret))
 
 
 def _gemm_fwd(a, b, config):
@@ -148,20 +186,18 @@ def _gemm_bwd(config, residuals, dc):
   dtype = jnp.result_type(dc.dtype, a.dtype)
   dc = dc.astype(dtype)
   # dA = dC @ Bᵀ: the same invariant kernel, contracting over N in fixed steps.
-  da = kernels.matmul(
-      pad_axis(dc, 2, kernels.BLOCK_K), pad_axis(b.astype(dtype), 2, kernels.BLOCK_K),
-      transpose_b=True, out_dtype=a.dtype, precision=config.precision,
-      tiles=kernels.matmul_tiles(r, k, jnp.dtype(dtype).itemsize, interpret=config.interpret),
-      interpret=config.interpret)
+  da = _launch_matmul(
+      config, pad_axis(dc, 2, kernels.BLOCK_K), pad_axis(b.astype(dtype), 2, kernels.BLOCK_K),
+      transpose_b=True, out_dtype=a.dtype,
+      tiles=kernels.matmul_tiles(r, k, jnp.dtype(dtype).itemsize, interpret=config.interpret))
   # dB = Aᵀ @ dC: reduced over rows (all groups' rows when b is shared) in
   # fixed 64-row steps; zero rows pad the last step.
   if b.shape[0] == 1:
     a, dc = a.reshape(1, g * r, k), dc.reshape(1, g * r, n)
-  db = kernels.matmul_at_b(
-      pad_axis(a.astype(dtype), 1, kernels.BLOCK_K), pad_axis(dc, 1, kernels.BLOCK_K),
-      out_dtype=b.dtype, precision=config.precision,
-      tiles=kernels.at_b_tiles(k, n, jnp.dtype(dtype).itemsize, interpret=config.interpret),
-      interpret=config.interpret)
+  db = _launch_at_b(
+      config, pad_axis(a.astype(dtype), 1, kernels.BLOCK_K), pad_axis(dc, 1, kernels.BLOCK_K),
+      out_dtype=b.dtype,
+      tiles=kernels.at_b_tiles(k, n, jnp.dtype(dtype).itemsize, interpret=config.interpret))
   return da, db
 
 

@@ -1,0 +1,154 @@
+"""jdet.matmul(..., backend="triton") and jdet.interop.torch_matmul.
+
+On CPU: the errors (no jax-triton, no torch, no GPU, unknown backend). On an
+NVIDIA GPU with jax-triton installed (``gpu`` marker): the Triton GEMM is
+batch-invariant forward and backward, under jit, vmap and grad, and gives the
+same bits as the Pallas backend; the PyTorch launch gives the same bits as the
+JAX launch.
+"""
+
+import functools
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdet
+from jdet import interop
+from jdet.testing import assert_batch_invariant, assert_bitwise_equal
+from pallas_kernels import matmul as kernels
+from tests.conftest import ON_GPU
+
+
+def _normal(rng, shape, dtype=jnp.bfloat16):
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+
+def test_unknown_backend_raises():
+  with pytest.raises(ValueError, match="backend must be one of"):
+    jdet.matmul(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32), backend="cublas")
+
+
+def test_triton_backend_without_jax_triton_says_how_to_install(monkeypatch):
+  monkeypatch.setitem(sys.modules, "jax_triton", None)
+  with pytest.raises(ImportError, match=r"pip install 'jdet\[triton\]'"):
+    jdet.matmul(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32), backend="triton")
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the error raised without a GPU")
+def test_triton_backend_on_cpu_raises(monkeypatch):
+  monkeypatch.setitem(sys.modules, "jax_triton", types.ModuleType("jax_triton"))
+  monkeypatch.setitem(sys.modules, "pallas_kernels.triton_matmul",
+                      types.ModuleType("pallas_kernels.triton_matmul"))
+  with pytest.raises(ValueError, match="only on an NVIDIA GPU"):
+    jdet.matmul(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32), backend="triton")
+  with pytest.raises(ValueError, match="no interpret mode"):
+    jdet.matmul(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32), backend="triton",
+                interpret=True)
+
+
+def test_torch_matmul_without_torch_says_what_it_needs(monkeypatch):
+  monkeypatch.setitem(sys.modules, "torch", None)
+  with pytest.raises(ImportError, match="needs PyTorch"):
+    interop.torch_matmul(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32))
+
+
+triton_mm = jax.jit(functools.partial(jdet.matmul, backend="triton"))
+pallas_mm = jax.jit(jdet.matmul)
+
+
+def _grads(backend):
+  def loss(a, b, g):
+    return jnp.sum(jdet.matmul(a, b, backend=backend).astype(jnp.float32) * g)
+  return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+
+@pytest.fixture(scope="module")
+def jax_triton():
+  return pytest.importorskip("jax_triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(4096, 4096), (1000, 3000)])
+def test_gpu_triton_rows_invariant_and_equal_to_pallas(jax_triton, k, n):
+  """Forward and dA rows across every dispatch boundary up to M = 2100; dB with
+  zero-cotangent rows; every result bitwise equal to the Pallas backend's."""
+  rng = np.random.default_rng(11)
+  total = 2100
+  a, b, g = _normal(rng, (total, k)), _normal(rng, (k, n)), _normal(rng, (total, n))
+  reference = np.asarray(triton_mm(a, b))
+  assert_bitwise_equal(reference, pallas_mm(a, b), what="triton vs pallas forward")
+  triton_grads, pallas_grads = _grads("triton"), _grads("pallas")
+  da_reference, db_reference = triton_grads(a, b, g)
+  da_pallas, db_pallas = pallas_grads(a, b, g)
+  assert_bitwise_equal(da_reference, da_pallas, what="triton vs pallas dA")
+  assert_bitwise_equal(db_reference, db_pallas, what="triton vs pallas dB")
+  changes = [m for m in range(2, total + 1) for out_n in (n, k)
+             if kernels.matmul_tiles(m, out_n, 2, interpret=False)
+             != kernels.matmul_tiles(m - 1, out_n, 2, interpret=False)]
+  for m in sorted({1, 2, 3, 7, 100, total} | {c for m in changes for c in (m - 1, m)}):
+    assert_bitwise_equal(triton_mm(a[:m], b), reference[:m], what=f"forward M={m}")
+    da, db = triton_grads(a[:m], b, g[:m])
+    assert_bitwise_equal(da, da_reference[:m], what=f"dA M={m}")
+    padded_g = g.at[m:].set(0)
+    assert_bitwise_equal(triton_grads(a, b, padded_g)[1], db, what=f"dB, {total - m} zero rows")
+
+
+@pytest.mark.gpu
+def test_gpu_triton_under_vmap_and_harness(jax_triton):
+  """custom_vmap folds mapped axes into groups or rows without changing a bit."""
+  rng = np.random.default_rng(12)
+  a3, b = _normal(rng, (3, 33, 96)), _normal(rng, (96, 80))
+  b3, g3 = _normal(rng, (3, 96, 80)), _normal(rng, (3, 33, 80))
+  shared = jax.jit(jax.vmap(triton_mm, in_axes=(0, None)))(a3, b)
+  batched = jax.jit(jax.vmap(triton_mm))(a3, b3)
+  grouped_shared = jax.jit(jax.vmap(triton_mm, in_axes=(None, 0)))(a3, b3)
+  per_example = jax.jit(jax.vmap(_grads("triton")))(a3, b3, g3)
+  for i in range(3):
+    assert_bitwise_equal(shared[i], pallas_mm(a3[i], b), what=f"vmap shared b, entry {i}")
+    assert_bitwise_equal(batched[i], pallas_mm(a3[i], b3[i]), what=f"vmap batched, entry {i}")
+    assert_bitwise_equal(grouped_shared[i], pallas_mm(a3, b3[i]), what=f"vmap over b, {i}")
+    for got, want in zip(per_example, _grads("pallas")(a3[i], b3[i], g3[i])):
+      assert_bitwise_equal(got[i], want, what=f"per-example gradient, entry {i}")
+  assert_batch_invariant(triton_mm, a3[0], b, in_axes=(0, None), batch_sizes=(1, 2, 7, 33))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", [None, jax.lax.Precision.HIGHEST])
+def test_gpu_triton_float32_equals_pallas(jax_triton, precision):
+  rng = np.random.default_rng(13)
+  a, b = _normal(rng, (300, 200), jnp.float32), _normal(rng, (200, 130), jnp.float32)
+  assert_bitwise_equal(jdet.matmul(a, b, precision=precision, backend="triton"),
+                       jdet.matmul(a, b, precision=precision), what=f"float32, {precision}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 17, 300, 2100])
+def test_gpu_torch_launch_equals_jax_launch(jax_triton, m, monkeypatch, tmp_path):
+  torch = pytest.importorskip("torch")
+  # Importing jax_triton sets TRITON_CACHE_DIR to "", which Triton's own launcher rejects.
+  monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+  rng = np.random.default_rng(14)
+  a, b = _normal(rng, (2100, 4096)), _normal(rng, (4096, 1000))
+  to_torch = lambda x: torch.from_dlpack(x)  # noqa: E731 (shares the buffer, exact)
+  got = interop.torch_matmul(to_torch(a[:m]), to_torch(b))
+  want = triton_mm(a[:m], b)
+  assert got.dtype == torch.bfloat16 and tuple(got.shape) == (m, 1000)
+  assert_bitwise_equal(np.asarray(jnp.from_dlpack(got)), want, what=f"torch vs jax, M={m}")
+  alone = interop.torch_matmul(to_torch(a[m - 1:m]), to_torch(b))
+  assert torch.equal(alone[0], got[m - 1]), "torch launch: last row alone vs in the batch"
+
+
+@pytest.mark.gpu
+def test_gpu_torch_matmul_bad_input():
+  torch = pytest.importorskip("torch")
+  a = torch.ones((4, 8), device="cuda")
+  with pytest.raises(ValueError, match="K = 8"):
+    interop.torch_matmul(a, torch.ones((7, 2), device="cuda"))
+  with pytest.raises(ValueError, match="CUDA device"):
+    interop.torch_matmul(a.cpu(), torch.ones((8, 2)))
+  with pytest.raises(TypeError, match="float16 or float32"):
+    interop.torch_matmul(a.to(torch.int32), torch.ones((8, 2), device="cuda"))
