@@ -19,9 +19,9 @@ reference divides, so the two agree to float32 rounding, not bitwise.
 Kernels:
   * :func:`sinkhorn_forward_kernel` - the projection.
   * :func:`sinkhorn_unrolled_backward_kernel` - the exact VJP of the finite
-    iteration. It recomputes the iterates on chip: ``checkpoints`` iterates are
-    kept in registers (segment starts), and inside a segment each iterate is
-    recomputed from the segment start (cost ~ units * segment / 2 extra units).
+    iteration. It recomputes the iterates on chip segment by segment, keeps
+    only each normalisation's denominators, and walks the cotangent back as
+    h = dR ⊙ R, rebuilding each earlier iterate by one multiply per entry.
   * :func:`sinkhorn_implicit_backward_kernel` - the fixed-point VJP from the
     corrected linear system, solved by guarded conjugate gradients.
 """
@@ -47,37 +47,44 @@ COLUMNS, ROWS = 0, 1
 
 @dataclasses.dataclass(frozen=True)
 class SinkhornTiles:
-  """Tokens per program, Triton warps, and iterates the unrolled backward keeps."""
+  """Tokens per program, Triton warps, and the unrolled backward's longest segment
+  (units whose denominators it keeps per token)."""
   block_tokens: int
   num_warps: int
-  checkpoints: int = 1
+  segment_units: int = 1
+
+  def __str__(self):
+    return f"({self.block_tokens} tokens, {self.num_warps} warps, {self.segment_units} units)"
 
 
 # GPU tiles by the largest n they serve; never a function of the token count.
 # Measured on the H100 (benchmarks/tune_sinkhorn.py, 2026-11-22, jax 0.11.2,
-# 65,536 tokens, 20 iterations, CUPTI kernel time): one token per thread
-# (block_tokens = 32 * num_warps) is what matters. Forward n = 4: 8.5-8.7 us at
-# (32, 1), (64, 2), (128, 4), (256, 8) against 15 us with two tokens per thread;
-# n = 8: 33.5 us at (256, 8), 35.0 at (128, 4). Unrolled backward n = 4: 31.9 us at
-# (128, 4, 6 checkpoints), 32.7-36.2 us with 4 or 10 checkpoints or fewer warps;
-# n = 8: 290 us for every candidate. Implicit backward (same tiles): 8.0 us at
-# n = 4 and 38 us at n = 8 with (128, 4). n = 16 is not measured: one token per
-# thread again, with few warps because a token's state is 256 floats. Every
-# candidate gave the same bits as every other.
+# 65,536 tokens, 20 iterations, CUPTI kernel time). Forward: one token per
+# thread (block_tokens = 32 * num_warps); n = 4: 8.5-8.7 us at (32, 1), (64, 2),
+# (128, 4), (256, 8) against 15 us with two tokens per thread; n = 8: 33.1 us at
+# (256, 8), 36.4 us at (64, 4). Backward (the denominator-keeping unrolled
+# kernel): two threads per token won. Unrolled n = 4: 23.0 us at (64, 4, 10
+# units) against 25.9 at (128, 4, 10) and 25.3 at (128, 4, 19); n = 8: 110 us at
+# (64, 4, 5) against 309 at (128, 4, 3) and 206 at (32, 4, 3) (the kernel that
+# kept whole iterates took 31.9 and 290 us). Implicit n = 8: 29 us at (64, 4),
+# 36 at (128, 4); n = 4 was 8.0 us at (128, 4) with one token per thread. n = 16
+# is not measured: a token's state is 256 floats, so few warps and short
+# segments. Every candidate was bitwise batch invariant (1000 tokens alone vs
+# inside 65,536).
 GPU_FORWARD_TABLE: tuple[tuple[int, SinkhornTiles], ...] = (
     (4, SinkhornTiles(128, 4)),
     (8, SinkhornTiles(256, 8)),
     (16, SinkhornTiles(64, 2)),
 )
 GPU_BACKWARD_TABLE: tuple[tuple[int, SinkhornTiles], ...] = (
-    (4, SinkhornTiles(128, 4, checkpoints=6)),
-    (8, SinkhornTiles(128, 4, checkpoints=2)),
-    (16, SinkhornTiles(64, 2, checkpoints=1)),
+    (4, SinkhornTiles(64, 4, segment_units=10)),
+    (8, SinkhornTiles(64, 4, segment_units=5)),
+    (16, SinkhornTiles(64, 2, segment_units=2)),
 )
 
-# Interpret mode (CPU): one tile for every n, and a single checkpoint, which
-# keeps the traced kernel (and XLA:CPU compile time) small.
-INTERPRET_TILES = SinkhornTiles(128, 4)
+# Interpret mode (CPU): one tile for every n, and one-unit segments, which keep
+# the traced kernel (and XLA:CPU compile time) small.
+INTERPRET_TILES = SinkhornTiles(128, 4, segment_units=1)
 
 
 def sinkhorn_tiles(n: int, *, backward: bool, interpret: bool) -> SinkhornTiles:
@@ -141,51 +148,68 @@ def _map(fn, values, axis: int):
   return fn(values) if axis == COLUMNS else [fn(v) for v in values]
 
 
+def _map2(fn, first, second, axis: int):
+  return fn(first, second) if axis == COLUMNS else [fn(a, b) for a, b in zip(first, second)]
+
+
 def _normalize(m, plan: _Plan, axis: int):
   """Divides each column (axis 0) or row (axis 1) by its guarded sum.
 
-  Returns (result, reciprocals, sums); the softmax convention adds eps to the
-  sum, the exp convention clamps it below at eps. One reciprocal per sum.
+  Returns (result, denominators): the softmax convention's denominator is
+  sum + eps, the exp convention's max(sum, eps). One reciprocal per line.
   """
   sums = _sums(m, axis)
   if plan.softmax_init:
-    inv = _map(lambda s: 1.0 / (s + plan.eps), sums, axis)
+    denominators = _map(lambda s: s + plan.eps, sums, axis)
   else:
-    inv = _map(lambda s: 1.0 / jnp.maximum(s, plan.eps), sums, axis)
-  return tuple(row * _per_row(inv, axis, i) for i, row in enumerate(m)), inv, sums
+    denominators = _map(lambda s: jnp.maximum(s, plan.eps), sums, axis)
+  inv = _map(lambda d: 1.0 / d, denominators, axis)
+  return tuple(row * _per_row(inv, axis, i) for i, row in enumerate(m)), denominators
 
 
-def _normalize_vjp(out, inv, sums, d_out, plan: _Plan, axis: int):
-  """VJP of :func:`_normalize` from its result: inv * (d_out - d'(sum) * <d_out, out>)."""
-  dots = _sums([g * y for g, y in zip(d_out, out)], axis)
-  if not plan.softmax_init:  # d max(s, eps) / ds is 0 where the clamp is active.
-    if axis == COLUMNS:
-      dots = jnp.where(sums > plan.eps, dots, 0.0)
-    else:
-      dots = [jnp.where(s > plan.eps, t, 0.0) for s, t in zip(sums, dots)]
-  d_in = tuple(_per_row(inv, axis, i) * (g - _per_row(dots, axis, i))
-               for i, g in enumerate(d_out))
-  if not plan.zero_free:
-    # An entry that is exactly 0 only ever meets its cotangent multiplied by
-    # itself (in the dots above and in the init's VJP), so its cotangent is 0.
-    # Without this, the 1/eps factors of all-zero lines (exp underflow, -inf
-    # logits, padding columns) overflow to inf, and inf * 0 would spread NaN.
-    d_in = tuple(jnp.where(y == 0, 0.0, d) for y, d in zip(out, d_in))
-  return d_in
+def _normalize_vjp(out, denominators, h_out, plan: _Plan, axis: int):
+  """Weighted VJP of :func:`_normalize`: h_in = h_out - sum(h_out) * out along ``axis``.
+
+  ``h`` is a cotangent times its iterate entrywise (h = dR ⊙ R). For
+  out = in / d with d = sum(in) + eps, d(in) = (d(out) - <d(out), out>) / d, so
+  h_in = h_out - <d(out), out> ⊙ out with <d(out), out> the line sum of h_out:
+  no division, and an exact-zero entry keeps h = 0 (no 1/eps factor can
+  overflow). Where the exp convention's clamp max(sum, eps) is active the sum
+  has no influence, so only h_in = h_out remains.
+  """
+  line_sums = _sums(h_out, axis)
+  if not plan.softmax_init:
+    line_sums = _map2(lambda t, d: jnp.where(d > plan.eps, t, 0.0), line_sums,
+                      denominators, axis)
+  return tuple(h - _per_row(line_sums, axis, i) * y
+               for i, (h, y) in enumerate(zip(h_out, out)))
+
+
+def _denormalize(out, denominators, axis: int):
+  """The input of :func:`_normalize` rebuilt from its result (to float32 rounding)."""
+  return tuple(row * _per_row(denominators, axis, i) for i, row in enumerate(out))
 
 
 def _unit(m, plan: _Plan):
+  """One iteration (two normalizations); returns (result, the two denominators)."""
+  denominators = []
   for axis in plan.axes:
-    m, _, _ = _normalize(m, plan, axis)
-  return m
+    m, d = _normalize(m, plan, axis)
+    denominators.append(d)
+  return m, tuple(denominators)
 
 
-def _unit_vjp(m, d_out, plan: _Plan):
-  first, second = plan.axes
-  half, half_inv, half_sums = _normalize(m, plan, first)
-  out, out_inv, out_sums = _normalize(half, plan, second)
-  d_half = _normalize_vjp(out, out_inv, out_sums, d_out, plan, second)
-  return _normalize_vjp(half, half_inv, half_sums, d_half, plan, first)
+def _unit_vjp(out, denominators, h_out, plan: _Plan):
+  """Steps ``h`` back through one iteration; returns (rebuilt input, h_in)."""
+  for axis, d in reversed(tuple(zip(plan.axes, denominators))):
+    h_out = _normalize_vjp(out, d, h_out, plan, axis)
+    out = _denormalize(out, d, axis)
+  return out, h_out
+
+
+def _iterate(m, count, plan: _Plan):
+  """``count`` iterations (a traced or static int) of the forward."""
+  return lax.fori_loop(0, count, lambda _, m: _unit(m, plan)[0], m)
 
 
 def _shift(top):
@@ -202,11 +226,17 @@ def _softmax_rows(x):
   return tuple(probs)
 
 
+def _softmax_init_parts(x, plan: _Plan, real_columns):
+  """(softmax probabilities q, P = q + eps, R0 = P / (colsum(P) + eps), its denominators)."""
+  probs = _softmax_rows(x)
+  p = tuple(jnp.where(real_columns, q + plan.eps, 0.0) for q in probs)
+  return (probs, p, *_normalize(p, plan, COLUMNS))
+
+
 def _init(x, plan: _Plan, real_columns):
   """The iterate before the first unit; x's padding columns are -inf."""
   if plan.softmax_init:
-    p = tuple(jnp.where(real_columns, q + plan.eps, 0.0) for q in _softmax_rows(x))
-    return _normalize(p, plan, COLUMNS)[0]
+    return _softmax_init_parts(x, plan, real_columns)[2]
   return _exp_shifted(x)
 
 
@@ -216,21 +246,21 @@ def _exp_shifted(x):
   return tuple(jnp.exp(row - shift) for row in x)
 
 
-def _init_vjp(x, d_start, plan: _Plan, real_columns):
-  """Cotangent of the logits from that of the iterate :func:`_init` returns."""
-  if not plan.softmax_init:
-    return tuple(e * g for e, g in zip(_exp_shifted(x), d_start))
-  probs = _softmax_rows(x)
-  p = tuple(jnp.where(real_columns, q + plan.eps, 0.0) for q in probs)
-  start, inv, sums = _normalize(p, plan, COLUMNS)
-  d_probs = _normalize_vjp(start, inv, sums, d_start, plan, COLUMNS)
+def _init_vjp(x, h_start, plan: _Plan, real_columns):
+  """Cotangent of the logits from h = dR0 ⊙ R0 of the iterate :func:`_init` returns."""
+  if not plan.softmax_init:  # R0 = exp(x - shift): dx = dR0 ⊙ R0 (the shift is constant)
+    return h_start
+  probs, p, start, denominators = _softmax_init_parts(x, plan, real_columns)
+  h_p = _normalize_vjp(start, denominators, h_start, plan, COLUMNS)
+  d_probs = tuple(jnp.where(real_columns, h / pi, 0.0) for h, pi in zip(h_p, p))
   return tuple(q * (g - _row_sum(g * q)) for g, q in zip(d_probs, probs))
 
 
-def _segment_lengths(units: int, checkpoints: int) -> list[int]:
-  """Splits the units into at most ``checkpoints`` near-equal segments."""
-  count = max(1, min(checkpoints, units))
-  return [units // count + (g < units % count) for g in range(count)]
+def _segments(units: int, max_length: int) -> tuple[int, int, int]:
+  """Splits ``units`` into (count, length, rest): count segments of ``length``
+  <= max_length after ``rest`` < count single units."""
+  count = cdiv(units, max_length)
+  return count, units // count, units % count
 
 
 # ---------------------------------------------------------------------------
@@ -273,36 +303,51 @@ def sinkhorn_forward_kernel(x_ref, o_ref, *, plan: _Plan, tokens: int):
   valid = _token_mask(x_ref.shape[0], tokens)
   x = _load_logits(x_ref, valid, plan.n)
   real = _real_columns(plan.n, x[0].shape[1])
-  out = lax.fori_loop(0, plan.units, lambda _, m: _unit(m, plan), _init(x, plan, real))
-  _store_matrix(o_ref, out, valid)
+  _store_matrix(o_ref, _iterate(_init(x, plan, real), plan.units, plan), valid)
 
 
 def sinkhorn_unrolled_backward_kernel(x_ref, g_ref, dx_ref, *, plan: _Plan, tokens: int,
-                                      checkpoints: int):
+                                      segment_units: int):
   """Exact VJP of the finite iteration, recomputing the iterates on chip.
 
   x_ref: [block_tokens, n*width] logits; g_ref: float32 cotangent of the result;
-  dx_ref: cotangent of the logits (logits dtype). Memory: ``checkpoints``
-  iterates per token; work: units + sum over segments of len*(len-1)/2 units
-  recomputed, plus the VJPs.
+  dx_ref: cotangent of the logits (logits dtype). The cotangent travels as
+  h = dR ⊙ R (see :func:`_normalize_vjp`). The units are cut into segments of
+  at most ``segment_units``, last segment first: each is recomputed from the
+  logits with the forward's own op sequence, keeping only its 2n denominators
+  per unit, and walked back by rebuilding each input from its result and
+  denominators (one multiply per entry). Memory: 2n * segment length floats
+  per token; work: about units * (segments + 1) / 2 forward units plus one
+  backward unit per unit.
   """
   valid = _token_mask(x_ref.shape[0], tokens)
-  x = _load_logits(x_ref, valid, plan.n)
-  real = _real_columns(plan.n, x[0].shape[1])
-  step = lambda _, m: _unit(m, plan)
-  lengths = _segment_lengths(plan.units, checkpoints)
-  starts = [_init(x, plan, real)]
-  for length in lengths[:-1]:
-    starts.append(lax.fori_loop(0, length, step, starts[-1]))
-  grad = _load_matrix(g_ref, valid, plan.n)
-  for start, length in zip(reversed(starts), reversed(lengths)):
+  real = _real_columns(plan.n, x_ref.shape[1] // plan.n)
+  start = lambda: _init(_load_logits(x_ref, valid, plan.n), plan, real)
+  h = _load_matrix(g_ref, valid, plan.n)  # dR, weighted by R where the last unit ends
 
-    def back(t, grad, start=start, length=length):
-      before = lax.fori_loop(0, length - 1 - t, step, start)
-      return _unit_vjp(before, grad, plan)
+  def walk_back(first_unit, length: int, h, may_be_last: bool):
+    m = _iterate(start(), first_unit, plan)
+    denominators = []
+    for _ in range(length):
+      m, d = _unit(m, plan)
+      denominators.append(d)
+    if may_be_last:
+      is_last = first_unit + length == plan.units
+      h = tuple(jnp.where(is_last, g * y, g) for g, y in zip(h, m))
+    for d in reversed(denominators):
+      m, h = _unit_vjp(m, d, h, plan)
+    return h
 
-    grad = lax.fori_loop(0, length, back, grad)
-  _store_matrix(dx_ref, _init_vjp(x, grad, plan, real), valid)
+  if plan.units == 0:
+    h = tuple(g * y for g, y in zip(h, start()))
+  else:
+    count, length, rest = _segments(plan.units, segment_units)
+    h = lax.fori_loop(0, count, lambda k, h: walk_back(
+        rest + (count - 1 - k) * length, length, h, may_be_last=True), h)
+    if rest:
+      h = lax.fori_loop(0, rest, lambda t, h: walk_back(rest - 1 - t, 1, h, may_be_last=False),
+                        h)
+  _store_matrix(dx_ref, _init_vjp(_load_logits(x_ref, valid, plan.n), h, plan, real), valid)
 
 
 # CG on the corrected system stops along directions whose curvature p·Ap is
@@ -401,7 +446,7 @@ def sinkhorn_unrolled_backward(logits, cotangent, *, iters: int, eps: float, ini
   """logits: [T, n, n]; cotangent: [T, n, n] float32. Returns dlogits in logits' dtype."""
   kernel = functools.partial(sinkhorn_unrolled_backward_kernel,
                              plan=_plan(logits.shape[-1], iters, eps, init),
-                             checkpoints=tiles.checkpoints)
+                             segment_units=tiles.segment_units)
   return _launch(kernel, (logits, cotangent), out_dtype=logits.dtype, tiles=tiles,
                  interpret=interpret, name="jdet_sinkhorn_unrolled_bwd")
 
