@@ -1,51 +1,82 @@
 """Times candidate Sinkhorn tiles on the GPU (65,536 tokens, 20 iterations, f32).
 
 Its printed table is the measurement behind the tile tables in
-``pallas_kernels/sinkhorn.py``. Run: ``PYTHONPATH=. python3 benchmarks/tune_sinkhorn.py``.
+``pallas_kernels/sinkhorn.py``: kernel time, compile seconds, the unrolled or
+implicit gradient's error against ``jax.grad`` of the reference (first 4096
+tokens; unrolled backward only), whether the first 1000 tokens run alone give the
+same bits as inside the whole batch, and whether the bits equal the first
+candidate's. Run: ``PYTHONPATH=. python3 benchmarks/tune_sinkhorn.py [--n 4 8]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
+import time
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jdet
 from benchmarks import harness
 from pallas_kernels import sinkhorn as kernels
 
 S = kernels.SinkhornTiles
-TOKENS, ITERS = 65536, 20
-FORWARD = (S(32, 1), S(64, 1), S(64, 2), S(128, 2), S(128, 4), S(256, 4), S(256, 8), S(512, 8))
-BACKWARD = {4: (S(64, 2, 6), S(128, 4, 6), S(64, 2, 4), S(64, 2, 10), S(32, 1, 6)),
-            8: (S(64, 2, 2), S(128, 4, 2), S(64, 2, 4), S(32, 1, 2), S(32, 1, 4))}
+TOKENS, ITERS, CHECKED = 65536, 20, 4096
+# block_tokens = 32 * num_warps is one token per thread; smaller blocks share a
+# token between threads.
+FORWARD = {4: (S(128, 4),), 8: (S(256, 8),)}
+UNROLLED = {4: (S(64, 4, 10), S(32, 4, 10), S(64, 4, 19), S(64, 2, 7)),
+            8: (S(64, 4, 5), S(64, 4, 3), S(128, 8, 5))}
+IMPLICIT = {4: (S(64, 4), S(128, 4)), 8: (S(64, 4), S(128, 4))}
+
+
+def _relative_error(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.abs(got - want).max() / np.abs(want).max()
 
 
 def main():
-  print(f"# Sinkhorn tile sweep on {harness.device_description()}, T={TOKENS}, iters={ITERS}")
-  print("| pass | n | tiles | us | bits equal to first |\n|---|---|---|---|---|")
-  for n in (4, 8):
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--n", type=int, nargs="+", default=[4, 8])
+  args = parser.parse_args()
+  print(f"# Sinkhorn tile sweep on {harness.device_description()}, jax {jax.__version__}, "
+        f"T={TOKENS}, iters={ITERS}")
+  print("| pass | n | tiles | us | compile s | grad rel error | 1000 alone same bits "
+        "| bits equal to first |\n|---|---|---|---|---|---|---|---|")
+  for n in args.n:
     sets = [(harness.random_normal(2 * i, (TOKENS, n, n), jnp.float32),
              harness.random_normal(2 * i + 1, (TOKENS, n, n), jnp.float32)) for i in range(4)]
-    for name, candidates, launch in (
-        ("fwd", FORWARD, lambda t: functools.partial(
-            kernels.sinkhorn_forward, iters=ITERS, eps=1e-6, init="softmax", tiles=t,
-            interpret=False)),
-        ("bwd unrolled", BACKWARD[n], lambda t: functools.partial(
+    result_sets = [(jdet.sinkhorn(x, iters=ITERS), g) for x, g in sets]
+    _, reference_vjp = jax.vjp(lambda x: jdet.sinkhorn_reference(x, iters=ITERS),
+                               sets[0][0][:CHECKED])
+    reference_grad = reference_vjp(sets[0][1][:CHECKED])[0]
+    for name, candidates, arg_sets, launch in (
+        ("fwd", FORWARD[n], sets, lambda t: lambda x, g: kernels.sinkhorn_forward(
+            x, iters=ITERS, eps=1e-6, init="softmax", tiles=t, interpret=False)),
+        ("bwd unrolled", UNROLLED[n], sets, lambda t: functools.partial(
             kernels.sinkhorn_unrolled_backward, iters=ITERS, eps=1e-6, init="softmax",
             tiles=t, interpret=False)),
-        ("bwd implicit", FORWARD[1:6], lambda t: functools.partial(
+        ("bwd implicit", IMPLICIT[n], result_sets, lambda t: functools.partial(
             kernels.sinkhorn_implicit_backward, out_dtype=jnp.float32, tiles=t,
             interpret=False))):
       first = None
       for tiles in candidates:
-        fn = launch(tiles)
-        args = [s[:1] for s in sets] if name == "fwd" else sets
-        bits = np.asarray(fn(*args[0])).view(np.uint32)
+        fn = jax.jit(launch(tiles))
+        x, g = arg_sets[0]
+        began = time.perf_counter()
+        out = np.asarray(fn(x, g))
+        compile_s = time.perf_counter() - began
+        alone = np.asarray(fn(x[:1000], g[:1000]))
+        bits = out.view(np.uint32)
         first = bits if first is None else first
-        us = harness.time_us(fn, args)
-        print(f"| {name} | {n} | {tiles} | {us:.1f} | {np.array_equal(bits, first)} |",
-              flush=True)
+        error = ("-" if name != "bwd unrolled"  # implicit: the fixed point's gradient
+                 else f"{_relative_error(out[:CHECKED], reference_grad):.1e}")
+        us = harness.time_us(fn, arg_sets)
+        same_alone = np.array_equal(alone.view(np.uint32), bits[:1000])
+        print(f"| {name} | {n} | {tiles} | {us:.1f} | {compile_s:.1f} | {error} | "
+              f"{same_alone} | {np.array_equal(bits, first)} |", flush=True)
 
 
 if __name__ == "__main__":
