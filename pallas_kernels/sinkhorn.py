@@ -63,13 +63,14 @@ class SinkhornTiles:
 # thread (block_tokens = 32 * num_warps); n = 4: 8.5-8.7 us at (32, 1), (64, 2),
 # (128, 4), (256, 8) against 15 us with two tokens per thread; n = 8: 33.1 us at
 # (256, 8), 36.4 us at (64, 4). Backward (the denominator-keeping unrolled
-# kernel): two threads per token won. Unrolled n = 4: 23.0 us at (64, 4, 10
-# units) against 25.9 at (128, 4, 10) and 25.3 at (128, 4, 19); n = 8: 110 us at
-# (64, 4, 5) against 309 at (128, 4, 3) and 206 at (32, 4, 3) (the kernel that
-# kept whole iterates took 31.9 and 290 us). Implicit n = 8: 29 us at (64, 4),
-# 36 at (128, 4); n = 4 was 8.0 us at (128, 4) with one token per thread. n = 16
-# is not measured: a token's state is 256 floats, so few warps and short
-# segments. Every candidate was bitwise batch invariant (1000 tokens alone vs
+# kernel): two threads per token won. Unrolled n = 4: 19.2 us at (64, 4, 19
+# units: one segment, 20 serves the exp init's 20 units too) against 23.0 at
+# (64, 4, 10), 25.3 at (128, 4, 19), 26.2 at (64, 2, 7), 32.1 at (32, 4, 10);
+# n = 8: 110 us at (64, 4, 5) against 154 at (64, 4, 3), 206 at (32, 4, 3), 309
+# at (128, 4, 3) (the kernel that kept whole iterates took 31.9 and 290 us).
+# Implicit: n = 4 8.0 us at (128, 4), 8.4 at (64, 4); n = 8 29 us at (64, 4),
+# 36 at (128, 4). n = 16 is not measured: a token's state is 256 floats, so few
+# warps and short segments. Every candidate was bitwise batch invariant (1000 tokens alone vs
 # inside 65,536).
 GPU_FORWARD_TABLE: tuple[tuple[int, SinkhornTiles], ...] = (
     (4, SinkhornTiles(128, 4)),
@@ -77,7 +78,7 @@ GPU_FORWARD_TABLE: tuple[tuple[int, SinkhornTiles], ...] = (
     (16, SinkhornTiles(64, 2)),
 )
 GPU_BACKWARD_TABLE: tuple[tuple[int, SinkhornTiles], ...] = (
-    (4, SinkhornTiles(64, 4, segment_units=10)),
+    (4, SinkhornTiles(64, 4, segment_units=20)),
     (8, SinkhornTiles(64, 4, segment_units=5)),
     (16, SinkhornTiles(64, 2, segment_units=2)),
 )
