@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import jdet
+from jdet import _triton_backend as triton_backend
 from jdet import interop
 from jdet.testing import assert_batch_invariant, assert_bitwise_equal
 from pallas_kernels import matmul as kernels
@@ -54,6 +55,63 @@ def test_torch_matmul_without_torch_says_what_it_needs(monkeypatch):
   monkeypatch.setitem(sys.modules, "torch", None)
   with pytest.raises(ImportError, match="needs PyTorch"):
     interop.torch_matmul(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32))
+
+
+@pytest.fixture
+def host_triton(monkeypatch):
+  """jax_triton and the Triton kernels replaced by an exact host matmul that, like
+  ``triton_call``, refuses to be batched: only the launchers' vmap rules can run it."""
+
+  def triton_call(*arrays, kernel, out_shape, grid, num_warps, num_stages, name, **params):
+    def host(x, y):
+      x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+      if kernel == "at_b":
+        x = x.swapaxes(1, 2)
+      elif params["TRANSPOSE_B"]:
+        y = y.swapaxes(1, 2)
+      return (x @ y).astype(out_shape.dtype)
+    return jax.pure_callback(host, out_shape, *arrays)
+
+  kernels_module = types.SimpleNamespace(
+      matmul_kernel="matmul", at_b_kernel="at_b", matmul_at_b_kernel="at_b",
+      matmul_launch=lambda *shape, transpose_b, **_: ((1,), {"TRANSPOSE_B": transpose_b}),
+      matmul_at_b_launch=lambda *shape, **_: ((1,), {}))
+  monkeypatch.setattr(triton_backend, "load_jax_triton",
+                      lambda: (types.SimpleNamespace(triton_call=triton_call), kernels_module))
+  triton_backend._matmul_launcher.cache_clear()
+  triton_backend._at_b_launcher.cache_clear()
+  yield
+  triton_backend._matmul_launcher.cache_clear()
+  triton_backend._at_b_launcher.cache_clear()
+
+
+@pytest.mark.parametrize("transpose_b", [False, True])
+def test_triton_launcher_vmap_rules_keep_every_entry(host_triton, transpose_b):
+  """Every way of mapping (a, b) folds into groups or rows and gives each entry the
+  unbatched result (integer-valued data: the host matmul is exact)."""
+  rng = np.random.default_rng(15)
+  ints = lambda *shape: jnp.asarray(rng.integers(-4, 5, shape), jnp.float32)  # noqa: E731
+  tiles = kernels.MatmulTiles(16, 16, 4, 1)
+  launch = functools.partial(triton_backend.matmul, transpose_b=transpose_b,
+                             out_dtype=jnp.float32, precision=None, tiles=tiles)
+  a = ints(3, 2, 5, 64)
+  b_shape = (8, 64) if transpose_b else (64, 8)
+  for b in (ints(3, 1, *b_shape), ints(3, 2, *b_shape)):
+    for in_axes in ((0, 0), (0, None), (None, 0)):
+      got = jax.jit(jax.vmap(launch, in_axes=in_axes))(a if in_axes[0] == 0 else a[0],
+                                                       b if in_axes[1] == 0 else b[0])
+      for i in range(3):
+        want = launch(a[i] if in_axes[0] == 0 else a[0], b[i] if in_axes[1] == 0 else b[0])
+        assert_bitwise_equal(got[i], want, what=f"in_axes={in_axes}, Gb={b.shape[1]}, {i}")
+  x, d = a.swapaxes(2, 3), ints(3, 2, 64, 8)
+  at_b = functools.partial(triton_backend.matmul_at_b, out_dtype=jnp.float32, precision=None,
+                           tiles=tiles)
+  for in_axes in ((0, 0), (0, None), (None, 0)):
+    got = jax.vmap(at_b, in_axes=in_axes)(x if in_axes[0] == 0 else x[0],
+                                          d if in_axes[1] == 0 else d[0])
+    for i in range(3):
+      want = at_b(x[i] if in_axes[0] == 0 else x[0], d[i] if in_axes[1] == 0 else d[0])
+      assert_bitwise_equal(got[i], want, what=f"dB in_axes={in_axes}, entry {i}")
 
 
 triton_mm = jax.jit(functools.partial(jdet.matmul, backend="triton"))
