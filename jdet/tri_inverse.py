@@ -87,8 +87,9 @@ def tri_inverse(a, *, method="blocked", precision=lax.Precision.HIGHEST, interpr
   return x.reshape(a.shape)
 
 
-def _tiles(n: int, config: _TriInverseConfig) -> kernels.TriInverseTiles:
-  return kernels.tri_inverse_tiles(n, interpret=config.interpret)
+def _tiles(n: int, config: _TriInverseConfig, *, backward: bool = False
+           ) -> kernels.TriInverseTiles:
+  return kernels.tri_inverse_tiles(n, interpret=config.interpret, backward=backward)
 
 
 def _pad_batch(x, tiles: kernels.TriInverseTiles):
@@ -114,7 +115,7 @@ def _tri_inverse_forward(a, config):
 
 def _tri_inverse_backward(config, x, g):
   batch, n, _ = x.shape
-  tiles = _tiles(n, config)
+  tiles = _tiles(n, config, backward=True)
   da = kernels.tri_inverse_backward(
       _pad_batch(x, tiles), _pad_batch(g.astype(jnp.float32), tiles),
       out_dtype=config.input_dtype, precision=config.precision, tiles=tiles,

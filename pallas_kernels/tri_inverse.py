@@ -42,16 +42,23 @@ class TriInverseTiles:
   num_stages: int
 
 
-# GPU tiles by matrix size n (never by the number of matrices). n = 64 and 128
-# were measured on the H100 (`benchmarks/bench_tri_inverse.py --sweep`,
-# 2026-11-22, jax 0.11.2, 8192 matrices, CUPTI kernel time; every candidate gave
-# the same bits): n = 64, one matrix and 4 warps: 213 us forward, 237 us
-# backward (2 warps: 213 / 412; 8 warps: 441 / 383; 2 or 4 matrices a program:
-# 217-255 / 252-452). n = 128, one matrix: 4 warps 1025 / 19652 us, 8 warps
-# 1750 / 27949 us (the backward spills registers). n = 16 and 32 are first
-# guesses from register use: small matrices share a program so that a program
-# does enough work to hide its launch.
-GPU_TILES = {
+# GPU tiles by matrix size n (never by the number of matrices), chosen by
+# `benchmarks/bench_tri_inverse.py --sweep` on the H100 (2026-11-22, jax 0.11.2,
+# 8192 matrices, CUPTI kernel time; every candidate gave the same bits).
+# Forward: one warp per program is fastest from n = 16 to 64 (no cross-warp
+# reductions in the substitution); n = 64: 1 matrix/1 warp 132 us, 2 warps
+# 211 us, 4 warps 211 us (the old table), 2 matrices/1 warp 139 us. n = 128:
+# 4 warps 1043 us, 2 warps 2428 us, 8 warps 1750 us. n = 32: 2 matrices/1 warp
+# 41 us (4/1: 44 us; 4/2, the old table: 78 us). n = 16: 4 matrices/1 warp
+# 14 us (8/1: 15 us; 8/2: 32 us).
+GPU_FORWARD_TILES = {
+    16: TriInverseTiles(4, 1, 1),
+    32: TriInverseTiles(2, 1, 1),
+    64: TriInverseTiles(1, 1, 1),
+    128: TriInverseTiles(1, 4, 1),
+}
+# Backward: the previous table (n = 64: 237 us on 4 warps; n = 128: 19652 us).
+GPU_BACKWARD_TILES = {
     16: TriInverseTiles(8, 1, 1),
     32: TriInverseTiles(4, 2, 1),
     64: TriInverseTiles(1, 4, 1),
@@ -63,9 +70,12 @@ GPU_TILES = {
 INTERPRET_TILES = TriInverseTiles(2, 4, 1)
 
 
-def tri_inverse_tiles(n: int, *, interpret: bool) -> TriInverseTiles:
-  """Tiles for n x n matrices; a function of n and the backend only."""
-  return INTERPRET_TILES if interpret else GPU_TILES[n]
+def tri_inverse_tiles(n: int, *, interpret: bool, backward: bool = False) -> TriInverseTiles:
+  """Tiles for the forward (or ``backward``) kernel on n x n matrices; a
+  function of n, the pass and the backend only."""
+  if interpret:
+    return INTERPRET_TILES
+  return (GPU_BACKWARD_TILES if backward else GPU_FORWARD_TILES)[n]
 
 
 def _iota(axis: int):

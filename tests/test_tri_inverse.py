@@ -235,18 +235,20 @@ def test_gpu_invariance_large_batches_and_tile_configs(n):
     assert_bitwise_equal(inverse(a[-size:]), x[-size:], what=f"X, last {size} of 1000")
     assert_bitwise_equal(grad(a[:size], g[:size]), da[:size], what=f"dA, first {size}")
   hi = jax.lax.Precision.HIGHEST
-  chosen = kernels.GPU_TILES[n]
-  candidates = {chosen, kernels.TriInverseTiles(1, 4, 1),
-                dataclasses.replace(chosen, matrices_per_program=2 * chosen.matrices_per_program),
-                dataclasses.replace(chosen, num_warps=2 * chosen.num_warps)}
-  for tiles in sorted(candidates, key=str):
-    assert_bitwise_equal(
-        kernels.tri_inverse(a[:992], method="blocked", precision=hi, tiles=tiles,
-                            interpret=False), x[:992], what=f"X, {tiles}")
-    assert_bitwise_equal(
-        kernels.tri_inverse_backward(x[:992], g[:992], out_dtype=jnp.float32, precision=hi,
-                                     tiles=tiles, interpret=False), da[:992],
-        what=f"dA, {tiles}")
+  for backward, table in ((False, kernels.GPU_FORWARD_TILES), (True, kernels.GPU_BACKWARD_TILES)):
+    chosen = table[n]
+    candidates = {chosen, kernels.TriInverseTiles(1, 4, 1),
+                  dataclasses.replace(chosen, matrices_per_program=2 * chosen.matrices_per_program),
+                  dataclasses.replace(chosen, num_warps=2 * chosen.num_warps)}
+    for tiles in sorted(candidates, key=str):
+      if backward:
+        got = kernels.tri_inverse_backward(x[:992], g[:992], out_dtype=jnp.float32,
+                                           precision=hi, tiles=tiles, interpret=False)
+        assert_bitwise_equal(got, da[:992], what=f"dA, {tiles}")
+      else:
+        got = kernels.tri_inverse(a[:992], method="blocked", precision=hi, tiles=tiles,
+                                  interpret=False)
+        assert_bitwise_equal(got, x[:992], what=f"X, {tiles}")
 
 
 @pytest.mark.gpu
