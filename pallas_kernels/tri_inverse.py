@@ -57,13 +57,22 @@ GPU_FORWARD_TILES = {
     64: TriInverseTiles(1, 1, 1),
     128: TriInverseTiles(1, 4, 1),
 }
-# Backward: the previous table (n = 64: 237 us on 4 warps; n = 128: 19652 us).
+# Backward, same sweep: n = 128 (blocks loaded where used, one row of P at a
+# time): 4 warps 3104-3116 us, 8 warps 4613 us; loading every block up front
+# as n <= 64 does took 19652 us on 4 warps (27949 on 8), and 32- or 64-wide
+# blocks (3857 / 27810 us on 8 warps) or a compact loop over
+# 16-row panels of P (3896 us on 1 warp, 6321 on 4) were slower. n <= 64 was
+# swept with all of P computed before dA (same loads, products and sums):
+# n = 64: 4 warps 237 us (2: 415, 1: 458); n = 32: 2 matrices/4 warps 66 us
+# (2/1: 74, 2/2: 86); n = 16: 4 matrices/1 warp 19 us (4/2: 27). The row-wise
+# kernel's n = 64 backward, from the benchmark: 379 us fwd+bwd - 133 us fwd.
 GPU_BACKWARD_TILES = {
-    16: TriInverseTiles(8, 1, 1),
-    32: TriInverseTiles(4, 2, 1),
+    16: TriInverseTiles(4, 1, 1),
+    32: TriInverseTiles(2, 4, 1),
     64: TriInverseTiles(1, 4, 1),
     128: TriInverseTiles(1, 4, 1),
 }
+PRELOAD_MAX_N = 64  # the backward loads every block first up to this n
 
 # Interpret mode (CPU): one config for every n. Two matrices per program so
 # that CI runs the in-program loop and the batch padding it needs.
@@ -103,7 +112,9 @@ def _invert_diagonal_tiles(lowers):
   Column-oriented forward substitution: for k = 0..14, every row i > k gets
   ``L[i, k] * X[k, :]`` added (row k is final by then), so ``X[i, j]`` is the sum
   over ascending k. Rows and columns are picked with masks and sums, never by
-  indexing registers.
+  indexing registers. (Six masked [16, 16] products per tile, the blocked
+  merge done inside the tile, measured slower on the H100: 192 vs 132 us at
+  n = 64, 1 warp.)
   """
   rows, cols = _iota(0), _iota(1)
   identity = jnp.where(rows == cols, 1.0, 0.0).astype(jnp.float32)
@@ -193,29 +204,41 @@ def tri_inverse_backward_kernel(x_ref, g_ref, da_ref, *, precision):
   g_ref: [TB, n, n] float32 cotangent, of which only the strictly lower
   triangle is read (the rest cannot reach dA's strictly lower triangle);
   da_ref: [TB, n, n] in the input's dtype, zero on and above the diagonal.
-  With P = Xᵀ · G: ``P[i, l] = Σ_{k ≥ i} X[k, i]ᵀ · G[k, l]`` for l ≤ i, then
-  ``dA[i, j] = Σ_{l ≤ j} P[i, l] · X[j, l]ᵀ`` for j ≤ i, over 16x16 blocks in
-  ascending order.
+  One block row i of dA at a time, over 16x16 blocks: the row of P = Xᵀ · G,
+  ``P[i, l] = Σ_{k ≥ i} X[k, i]ᵀ · G[k, l]`` for l ≤ i, then
+  ``dA[i, j] = Σ_{l ≤ j} P[i, l] · X[j, l]ᵀ`` for j ≤ i, both sums in
+  ascending order. Up to ``PRELOAD_MAX_N`` every block of X and G is loaded
+  up front; above it each block is loaded where it is used, so that only one
+  row of P and one block column of X are held (the same sums, the same bits).
   """
   count = x_ref.shape[-1] // TILE
   dot = functools.partial(dot_f32, precision=precision)
 
+  def load_g(t, k, l):
+    block = _load_tile(g_ref, t, k, l)
+    return _strictly_lower(block) if k == l else block
+
   def differentiate(t, carry):
-    x = {(i, j): _load_tile(x_ref, t, i, j) for i in range(count) for j in range(i + 1)}
-    g = {(i, j): _load_tile(g_ref, t, i, j) for i in range(count) for j in range(i + 1)}
-    for i in range(count):
-      g[i, i] = _strictly_lower(g[i, i])
-    p = {(i, l): sum_in_order([dot(x[k, i], g[k, l], trans_a=True)
-                                for k in range(i, count)])
-         for i in range(count) for l in range(i + 1)}
+    if x_ref.shape[-1] <= PRELOAD_MAX_N:
+      lower = [(i, j) for i in range(count) for j in range(i + 1)]
+      x_blocks = {ij: _load_tile(x_ref, t, *ij) for ij in lower}
+      g_blocks = {ij: load_g(t, *ij) for ij in lower}
+      x_block, g_block = lambda *ij: x_blocks[ij], lambda *ij: g_blocks[ij]
+    else:
+      x_block = functools.partial(_load_tile, x_ref, t)
+      g_block = functools.partial(load_g, t)
     zeros = jnp.zeros((TILE, TILE), jnp.float32)
     for i in range(count):
+      x_column = {k: x_block(k, i) for k in range(i, count)}
+      p_row = [sum_in_order([dot(x_column[k], g_block(k, l), trans_a=True)
+                             for k in range(i, count)])
+               for l in range(i + 1)]
       for j in range(count):
         if j > i:
           _store_tile(da_ref, t, i, j, zeros)
           continue
-        block = sum_in_order([dot(p[i, l], x[j, l], trans_b=True)
-                               for l in range(j + 1)])
+        block = sum_in_order([dot(p_row[l], x_block(j, l), trans_b=True)
+                              for l in range(j + 1)])
         _store_tile(da_ref, t, i, j, _strictly_lower(block) if i == j else block)
     return carry
 
