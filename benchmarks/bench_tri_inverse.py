@@ -4,8 +4,8 @@ Each row also gives matrices/s and the relative error (max |X - X_exact| /
 max |X_exact|, vs float64 NumPy on a sample) on GDN chunks and on the hostile
 ``a = -0.99 * (strictly lower ones)``, for jdet and for the baseline.
 ``--sweep`` instead times every candidate tile config per n and checks that
-their bits agree (the measurement behind ``GPU_TILES`` in
-``pallas_kernels/tri_inverse.py``).
+their bits agree (the measurement behind ``GPU_FORWARD_TILES`` and
+``GPU_BACKWARD_TILES`` in ``pallas_kernels/tri_inverse.py``).
 
 Run: ``PYTHONPATH=. python3 benchmarks/bench_tri_inverse.py [--quick | --sweep]``.
 """
@@ -29,13 +29,19 @@ CASES = ((8192, 64), (65536, 64), (8192, 128), (65536, 128))
 QUICK_CASES = ((8, 16), (4, 64))  # CPU interpret: shapes that finish
 ACCURACY_SAMPLE = 64  # matrices of each family whose error is measured
 
-# Tile candidates per n for --sweep (matrices per program x warps); stages do
-# not matter: the kernels have no pipelined loop over loads.
-SWEEP = {
-    16: [(tb, w) for tb in (1, 4, 8, 16, 32) for w in (1, 2, 4)],
-    32: [(tb, w) for tb in (1, 2, 4, 8) for w in (1, 2, 4)],
-    64: [(tb, w) for tb in (1, 2, 4) for w in (2, 4, 8)],
-    128: [(tb, w) for tb in (1, 2) for w in (4, 8)],
+# Candidates per n for --sweep, (matrices per program, warps), forward and
+# backward. Stages do not matter: the kernels have no pipelined loop over loads.
+FORWARD_SWEEP = {
+    16: [(8, 1), (4, 1), (8, 2)],
+    32: [(4, 2), (2, 1), (4, 1)],
+    64: [(1, 1), (1, 2), (1, 4), (2, 1)],
+    128: [(1, 2), (1, 4), (1, 8)],
+}
+BACKWARD_SWEEP = {
+    16: [(8, 1), (4, 1), (4, 2)],
+    32: [(2, 1), (2, 2), (2, 4)],
+    64: [(1, 1), (1, 2), (1, 4)],
+    128: [(1, 4), (1, 8)],
 }
 SWEEP_MATRICES = 8192
 
@@ -102,45 +108,63 @@ def rows(cases=CASES) -> list[harness.Row]:
   return result
 
 
-def sweep(sizes=tuple(SWEEP)):
-  """Times every candidate tile config per n, forward and backward; checks the bits agree."""
+def _bits_match(outputs, references, key):
+  """True when ``outputs`` has the bits of the first result for ``key`` (the pass)."""
+  reference = references.setdefault(key, outputs)
+  return np.array_equal(np.asarray(outputs).view(np.uint32),
+                        np.asarray(reference).view(np.uint32))
+
+
+def _time_candidate(label, run, key, references, args):
+  """Prints one sweep row: microseconds and whether the bits match the pass's first row."""
+  try:
+    equal = _bits_match(run(*args), references, key)
+    print(f"| {label} | {harness.time_us(run, [args]):.1f} | {equal} |", flush=True)
+  except Exception as error:  # a config Triton cannot compile is a result, not a stop
+    print(f"| {label} | failed: {type(error).__name__}: "
+          f"{str(error).splitlines()[0][:120]} | |", flush=True)
+
+
+def sweep(sizes=tuple(FORWARD_SWEEP), passes=("fwd", "bwd")):
+  """Times every tile candidate per n and pass; checks that their bits agree."""
   hi = jax.lax.Precision.HIGHEST
-  print("| n | matrices/program | warps | fwd us | bwd us | bits equal |\n" + "|---" * 6 + "|")
+  print("| n | pass | matrices/program | warps | us | bits equal |\n" + "|---" * 6 + "|")
   for n in sizes:
     a = gdn_chunk_matrices(jax.random.key(n), SWEEP_MATRICES, n)
     g = harness.random_normal(n, a.shape, jnp.float32)
-    reference = None
-    for per_program, warps in SWEEP[n]:
-      tiles = kernels.TriInverseTiles(per_program, warps, 1)
-      forward = functools.partial(kernels.tri_inverse, method="blocked", precision=hi,
-                                  tiles=tiles, interpret=False)
-      backward = functools.partial(kernels.tri_inverse_backward, out_dtype=jnp.float32,
-                                   precision=hi, tiles=tiles, interpret=False)
-      try:
-        x = forward(a)
-        outputs = (np.asarray(x), np.asarray(backward(x, g)))
-        reference = outputs if reference is None else reference
-        equal = all(np.array_equal(o.view(np.uint32), r.view(np.uint32))
-                    for o, r in zip(outputs, reference))
-        fwd_us = harness.time_us(forward, [(a,)])
-        bwd_us = harness.time_us(backward, [(x, g)])
-        print(f"| {n} | {per_program} | {warps} | {fwd_us:.1f} | {bwd_us:.1f} | {equal} |",
-              flush=True)
-      except Exception as error:  # a config Triton cannot compile is a result, not a stop
-        print(f"| {n} | {per_program} | {warps} | failed: {type(error).__name__}: "
-              f"{str(error).splitlines()[0][:120]} | | |", flush=True)
+    for name, baseline in (("fwd", jdet.tri_inverse_reference),
+                           ("fwd+bwd", _fwd_bwd(jdet.tri_inverse_reference))):
+      args = (a,) if name == "fwd" else (a, g)
+      print(f"| {n} | {name} solve_triangular | | | "
+            f"{harness.time_us(baseline, [args]):.1f} | |", flush=True)
+    x = jdet.tri_inverse(a)
+    references = {}
+    for per_program, warps in FORWARD_SWEEP[n] if "fwd" in passes else ():
+      forward = functools.partial(
+          kernels.tri_inverse, method="blocked", precision=hi,
+          tiles=kernels.TriInverseTiles(per_program, warps, 1), interpret=False)
+      _time_candidate(f"{n} | fwd | {per_program} | {warps}", forward,
+                      "fwd", references, (a,))
+    for per_program, warps in BACKWARD_SWEEP[n] if "bwd" in passes else ():
+      backward = functools.partial(
+          kernels.tri_inverse_backward, out_dtype=jnp.float32, precision=hi,
+          tiles=kernels.TriInverseTiles(per_program, warps, 1), interpret=False)
+      _time_candidate(f"{n} | bwd | {per_program} | {warps}", backward,
+                      "bwd", references, (x, g))
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
   parser.add_argument("--sweep", action="store_true", help="time the GPU tile candidates (GPU only)")
-  parser.add_argument("--sizes", type=int, nargs="*", default=list(SWEEP),
+  parser.add_argument("--sizes", type=int, nargs="*", default=list(FORWARD_SWEEP),
                       help="n values for --sweep")
+  parser.add_argument("--passes", nargs="*", choices=("fwd", "bwd"), default=["fwd", "bwd"],
+                      help="passes for --sweep")
   args = parser.parse_args()
   if args.sweep:
     print(f"# jdet.tri_inverse tile sweep on {harness.device_description()}")
-    sweep(args.sizes)
+    sweep(args.sizes, args.passes)
   else:
     harness.print_report("jdet.tri_inverse", rows, CASES, QUICK_CASES, quick=args.quick)
 
