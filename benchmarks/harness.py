@@ -22,6 +22,7 @@ import numpy as np
 # Measured on the lent H100 (DESIGN.md / device notes): device-to-device copy
 # ~3.0 TB/s counting read + write; bf16 dense GEMM ~800 TFLOP/s.
 H100_HBM_BYTES_PER_S = 3.0e12
+RETAINED_OUTPUT_BYTES = 16 << 30
 
 
 def on_gpu() -> bool:
@@ -39,7 +40,17 @@ def time_us(fn: Callable[..., Any], arg_sets: Sequence[tuple], *, repeats: int =
   run_all = jax.jit(lambda sets: [fn(*args) for args in sets])
   if on_gpu():
     from jax.experimental.mosaic.gpu import profiler
-    _, per_call_ms = profiler.measure(run_all, iterations=repeats)(arg_sets)
+    # The profiler keeps every iteration's outputs alive until it returns: measure
+    # in groups whose outputs fit RETAINED_OUTPUT_BYTES (a 65,536 x 128 x 128
+    # forward+backward returns 8 GiB a call).
+    out_bytes = sum(x.size * x.dtype.itemsize
+                    for x in jax.tree.leaves(jax.eval_shape(run_all, arg_sets)))
+    group = max(1, min(repeats, RETAINED_OUTPUT_BYTES // max(out_bytes, 1)))
+    per_call_ms = []
+    while len(per_call_ms) < repeats:
+      count = min(group, repeats - len(per_call_ms))
+      _, ms = profiler.measure(run_all, iterations=count)(arg_sets)
+      per_call_ms += np.atleast_1d(ms).tolist()  # one float when count == 1
     return statistics.median(per_call_ms) * 1e3 / len(arg_sets)
   for _ in range(warmup):
     jax.block_until_ready(run_all(arg_sets))
