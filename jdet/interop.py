@@ -13,8 +13,7 @@ from __future__ import annotations
 from jax import lax
 
 from pallas_kernels import matmul as kernels
-
-_TORCH_DTYPES = ("bfloat16", "float16", "float32")
+from pallas_kernels._common import cdiv
 
 
 def _import_torch():
@@ -46,10 +45,11 @@ def torch_matmul(a, b, *, precision: lax.Precision | None = None, out_dtype=None
     No autograd: use ``jdet.matmul`` in the trainer.
   """
   torch, triton_matmul = _import_torch()
+  float_dtypes = (torch.bfloat16, torch.float16, torch.float32)
   for name, x in (("a", a), ("b", b)):
     if not isinstance(x, torch.Tensor):
       raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if str(x.dtype).removeprefix("torch.") not in _TORCH_DTYPES:
+    if x.dtype not in float_dtypes:
       raise TypeError(f"{name} must be bfloat16, float16 or float32, got {x.dtype}")
     if x.device.type != "cuda":
       raise ValueError(f"{name} must live on a CUDA device, got {x.device}")
@@ -66,14 +66,14 @@ def torch_matmul(a, b, *, precision: lax.Precision | None = None, out_dtype=None
     raise ValueError(f"a and b must be on the same device, got {a.device} and {b.device}")
   compute_dtype = torch.promote_types(a.dtype, b.dtype)
   out_dtype = out_dtype or compute_dtype
-  if str(out_dtype).removeprefix("torch.") not in _TORCH_DTYPES:
+  if out_dtype not in float_dtypes:
     raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
   rows = a.reshape(-1, k).to(compute_dtype)
   m = rows.shape[0]
   out = torch.empty((m, n), dtype=out_dtype, device=a.device)
   if m == 0:
     return out.reshape(*a.shape[:-1], n)
-  kp = -(-k // kernels.BLOCK_K) * kernels.BLOCK_K
+  kp = cdiv(k, kernels.BLOCK_K) * kernels.BLOCK_K
   rows = torch.nn.functional.pad(rows, (0, kp - k)).contiguous()
   weight = torch.nn.functional.pad(b.to(compute_dtype), (0, 0, 0, kp - k)).contiguous()
   tiles = kernels.matmul_tiles(m, n, rows.element_size(), interpret=False)

@@ -21,7 +21,7 @@ class _GemmConfig:
   precision: lax.Precision | None
   out_dtype: np.dtype
   interpret: bool
-  backend: str = "pallas"
+  backend: str
 
 
 BACKENDS = ("pallas", "triton")

@@ -110,11 +110,6 @@ class _Plan:
   def axes(self) -> tuple[int, int]:
     return (ROWS, COLUMNS) if self.softmax_init else (COLUMNS, ROWS)
 
-  @property
-  def zero_free(self) -> bool:
-    """No iterate has an exact zero: softmax + eps, and no padding columns."""
-    return self.softmax_init and self.n == pl.next_power_of_2(self.n)
-
 
 def _plan(n: int, iters: int, eps: float, init: str) -> _Plan:
   if init not in INITS:

@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 from jax import lax
 
+from pallas_kernels._common import cdiv
 from pallas_kernels.matmul import BLOCK_K, MatmulTiles
 
 
@@ -151,7 +152,7 @@ def matmul_launch(g: int, m: int, n: int, kp: int, *, transpose_b: bool, shared_
   """Grid and constexpr arguments of :func:`matmul_kernel` (JAX and PyTorch launch alike)."""
   if kp % BLOCK_K:
     raise ValueError(f"contraction size {kp} is not a multiple of {BLOCK_K}")
-  grid = (triton.cdiv(m, tiles.block_m) * triton.cdiv(n, tiles.block_n), g)
+  grid = (cdiv(m, tiles.block_m) * cdiv(n, tiles.block_n), g)
   return grid, dict(
       M=m, N=n, KP=kp, SHARED_B=shared_b, TRANSPOSE_B=transpose_b,
       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K,
@@ -163,6 +164,6 @@ def matmul_at_b_launch(g: int, rp: int, k: int, n: int, *, tiles: MatmulTiles,
   """Grid and constexpr arguments of :func:`matmul_at_b_kernel`."""
   if rp % BLOCK_K:
     raise ValueError(f"row count {rp} is not a multiple of {BLOCK_K}")
-  grid = (g, triton.cdiv(k, tiles.block_m), triton.cdiv(n, tiles.block_n))
+  grid = (g, cdiv(k, tiles.block_m), cdiv(n, tiles.block_n))
   return grid, dict(RP=rp, K=k, N=n, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                     BLOCK_K=BLOCK_K, INPUT_PRECISION=input_precision(precision))
