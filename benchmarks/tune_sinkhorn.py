@@ -24,12 +24,15 @@ from pallas_kernels import sinkhorn as kernels
 
 S = kernels.SinkhornTiles
 TOKENS, ITERS, CHECKED = 65536, 20, 4096
-# block_tokens = 32 * num_warps is one token per thread; smaller blocks share a
-# token between threads.
-FORWARD = {4: (S(128, 4),), 8: (S(256, 8),)}
-UNROLLED = {4: (S(64, 4, 10), S(32, 4, 10), S(64, 4, 19), S(64, 2, 7)),
-            8: (S(64, 4, 5), S(64, 4, 3), S(128, 8, 5))}
-IMPLICIT = {4: (S(64, 4), S(128, 4)), 8: (S(64, 4), S(128, 4))}
+# For n <= 8 a token's row sits in one thread whatever the block; block_tokens
+# below 32 * num_warps replicates work. For n = 16 smaller blocks split a row
+# over threads.
+FORWARD = {4: (S(128, 4), S(32, 1), S(256, 8)), 8: (S(256, 8), S(128, 4)),
+           16: (S(32, 2), S(64, 2), S(16, 1))}
+UNROLLED = {4: (S(128, 4, 20), S(256, 8, 20), S(64, 4, 20), S(64, 4, 10)),
+            8: (S(64, 4, 7), S(128, 8, 7), S(64, 4, 5)),
+            16: (S(64, 2, 2), S(32, 2, 2), S(32, 2, 1), S(16, 1, 2))}
+IMPLICIT = {4: (S(128, 4), S(64, 4)), 8: (S(64, 4), S(128, 4)), 16: (S(64, 2), S(32, 2))}
 
 
 def _relative_error(got, want):
@@ -39,7 +42,7 @@ def _relative_error(got, want):
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--n", type=int, nargs="+", default=[4, 8])
+  parser.add_argument("--n", type=int, nargs="+", default=[4, 8, 16])
   args = parser.parse_args()
   print(f"# Sinkhorn tile sweep on {harness.device_description()}, jax {jax.__version__}, "
         f"T={TOKENS}, iters={ITERS}")

@@ -60,7 +60,9 @@ def sinkhorn(logits, *, iters=20, eps=1e-6, init="softmax", grad="unrolled", int
 
   Returns:
     ``[..., n, n]`` float32. It matches :func:`sinkhorn_reference` to float32
-    rounding (one reciprocal per sum, then multiplies), not bitwise.
+    rounding (one reciprocal per sum, then multiplies; on the GPU the
+    hardware's approximate reciprocal, within 1 ulp), not bitwise: about 4e-7
+    absolute on the result, 1e-6 relative on gradients at 20 iterations.
 
   Invariance: each matrix's result and logits cotangent (both ``grad`` modes)
   depend only on its own logits and cotangent: not on the number of matrices,

@@ -68,6 +68,22 @@ def sum_in_order(terms):
   return total
 
 
+def reciprocal(x, *, approx: bool):
+  """Elementwise float32 ``1 / x``, inside a kernel.
+
+  ``approx=True`` (GPU only) is one ``rcp.approx.ftz.f32`` (at most 1 ulp from
+  the exact reciprocal, subnormal inputs and results flushed to zero) instead of
+  the IEEE division's multi-instruction sequence; interpret mode needs
+  ``approx=False``. Either way a value's bits depend on that value alone.
+  """
+  if not approx:
+    return 1.0 / x
+  [result] = pltriton.elementwise_inline_asm(
+      "rcp.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
+  return result
+
+
 def block_mask(start, block: int, limit: int):
   """Boolean [block] vector: which of the indices start..start+block-1 are < limit."""
   return start + jnp.arange(block) < limit
@@ -111,6 +127,7 @@ __all__ = [
     "dot_f32",
     "load_block",
     "pad_axis",
+    "reciprocal",
     "run_as_own_program",
     "store_block",
     "sum_in_order",

@@ -13,8 +13,9 @@ Iteration (see ``jdet.sinkhorn`` for the formulas): an *init* (softmax rows + ep
 then one column normalisation, or exp of the shifted logits), then ``units``
 repetitions of two normalisations (rows then columns after the softmax init,
 columns then rows after the exp init), each a fixed-count ``lax.fori_loop``.
-A normalisation takes one reciprocal per line sum and multiplies; the jnp
-reference divides, so the two agree to float32 rounding, not bitwise.
+A normalisation takes one reciprocal per line sum and multiplies (on the GPU
+the hardware's approximate reciprocal, within 1 ulp); the jnp reference
+divides, so the two agree to float32 rounding, not bitwise.
 
 Kernels:
   * :func:`sinkhorn_forward_kernel` - the projection.
@@ -37,8 +38,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params,
-                                    load_block, pad_axis, store_block,
-                                    sum_in_order)
+                                    load_block, pad_axis, reciprocal,
+                                    store_block, sum_in_order)
 
 MAX_N = 16
 INITS = ("softmax", "exp")
@@ -58,28 +59,32 @@ class SinkhornTiles:
 
 
 # GPU tiles by the largest n they serve; never a function of the token count.
-# Measured on the H100 (benchmarks/tune_sinkhorn.py, 2026-11-22, jax 0.11.2,
-# 65,536 tokens, 20 iterations, CUPTI kernel time). Forward: one token per
-# thread (block_tokens = 32 * num_warps); n = 4: 8.5-8.7 us at (32, 1), (64, 2),
-# (128, 4), (256, 8) against 15 us with two tokens per thread; n = 8: 33.1 us at
-# (256, 8), 36.4 us at (64, 4). Backward (the denominator-keeping unrolled
-# kernel): two threads per token won. Unrolled n = 4: 19.2 us at (64, 4, 19
-# units: one segment, 20 serves the exp init's 20 units too) against 23.0 at
-# (64, 4, 10), 25.3 at (128, 4, 19), 26.2 at (64, 2, 7), 32.1 at (32, 4, 10);
-# n = 8: 110 us at (64, 4, 5) against 154 at (64, 4, 3), 206 at (32, 4, 3), 309
-# at (128, 4, 3) (the kernel that kept whole iterates took 31.9 and 290 us).
-# Implicit: n = 4 8.0 us at (128, 4), 8.4 at (64, 4); n = 8 29 us at (64, 4),
-# 36 at (128, 4). n = 16 is not measured: a token's state is 256 floats, so few
-# warps and short segments. Every candidate was bitwise batch invariant (1000 tokens alone vs
-# inside 65,536).
+# Measured on the H100 (65,536 tokens, 20 iterations, CUPTI kernel time,
+# jax 0.11.2, 2026-11-22; benchmarks/tune_sinkhorn.py and benchmarks/results/h100.md).
+# A [block_tokens, width] row array puts a token's row in one thread for n <= 8
+# (so block_tokens below 32 * num_warps only replicates work), and splits it over
+# threads for n = 16. With the approximate reciprocal: forward n = 4: 6.3-6.4 us
+# at (128, 4), (32, 1), 6.7 at (256, 8) (8.5 with the IEEE division); n = 8: 25.2
+# us at (256, 8), 26.8 at (128, 4) (33.0 with division); n = 16: 110 us at
+# (32, 2) against 247 at (64, 2) and (128, 4). Unrolled backward n = 4: 15.4-15.6
+# us at (256, 8, 20), (128, 4, 20), (32, 1, 20), 15.8-15.9 at (64, 4, 20),
+# (32, 2, 20), 17.8 at (64, 4, 10) (two segments), 19.2 at (128, 8, 20) (19.1 at
+# (64, 4, 20) with division; one 19-unit segment, 20 also serves the exp init's
+# 20 units); n = 8: 74.1 us at (128, 8, 7), 73.7 at (64, 4, 10) (27 s to
+# compile), 75.2 at (64, 4, 7) (110 at (64, 4, 5) with division). Implicit
+# (measured with division, which it keeps): n = 4 8.0 us at (128, 4), 8.4 at
+# (64, 4); n = 8 29 us at (64, 4), 36 at (128, 4). The backward table takes the
+# implicit kernel's best tiles where the unrolled kernel's best are within
+# noise of them (15.6 vs 15.4 us, 75.2 vs 74.1 us). Every candidate was bitwise
+# batch invariant (1000 tokens alone vs inside 65,536).
 GPU_FORWARD_TABLE: tuple[tuple[int, SinkhornTiles], ...] = (
     (4, SinkhornTiles(128, 4)),
     (8, SinkhornTiles(256, 8)),
-    (16, SinkhornTiles(64, 2)),
+    (16, SinkhornTiles(32, 2)),
 )
 GPU_BACKWARD_TABLE: tuple[tuple[int, SinkhornTiles], ...] = (
-    (4, SinkhornTiles(64, 4, segment_units=20)),
-    (8, SinkhornTiles(64, 4, segment_units=5)),
+    (4, SinkhornTiles(128, 4, segment_units=20)),
+    (8, SinkhornTiles(64, 4, segment_units=7)),
     (16, SinkhornTiles(64, 2, segment_units=2)),
 )
 
@@ -100,23 +105,26 @@ def sinkhorn_tiles(n: int, *, backward: bool, interpret: bool) -> SinkhornTiles:
 
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-  """The static shape of the iteration: init, unit count and unit axes."""
+  """The static shape of the iteration: init, unit count and unit axes, and
+  whether reciprocals are the GPU's approximate ones."""
   n: int
   eps: float
   softmax_init: bool
   units: int
+  approx_reciprocal: bool
 
   @property
   def axes(self) -> tuple[int, int]:
     return (ROWS, COLUMNS) if self.softmax_init else (COLUMNS, ROWS)
 
 
-def _plan(n: int, iters: int, eps: float, init: str) -> _Plan:
+def _plan(n: int, iters: int, eps: float, init: str, *, interpret: bool) -> _Plan:
   if init not in INITS:
     raise ValueError(f"init must be one of {INITS}, got {init!r}")
   softmax_init = init == "softmax"
   # The softmax init already did the first column normalisation.
-  return _Plan(n, float(eps), softmax_init, iters - 1 if softmax_init else iters)
+  return _Plan(n, float(eps), softmax_init, iters - 1 if softmax_init else iters,
+               approx_reciprocal=not interpret)
 
 
 # ---------------------------------------------------------------------------
@@ -159,7 +167,7 @@ def _normalize(m, plan: _Plan, axis: int):
     denominators = _map(lambda s: s + plan.eps, sums, axis)
   else:
     denominators = _map(lambda s: jnp.maximum(s, plan.eps), sums, axis)
-  inv = _map(lambda d: 1.0 / d, denominators, axis)
+  inv = _map(lambda d: reciprocal(d, approx=plan.approx_reciprocal), denominators, axis)
   return tuple(row * _per_row(inv, axis, i) for i, row in enumerate(m)), denominators
 
 
@@ -213,18 +221,20 @@ def _shift(top):
   return jnp.where(top == -jnp.inf, 0.0, top)
 
 
-def _softmax_rows(x):
+def _softmax_rows(x, plan: _Plan):
   probs = []
   for row in x:
     exps = jnp.exp(row - _shift(jnp.max(row, axis=1, keepdims=True)))
     total = _row_sum(exps)
-    probs.append(exps * (1.0 / jnp.where(total > 0, total, 1.0)))  # all -inf: no mass
+    inv_total = reciprocal(jnp.where(total > 0, total, 1.0),  # all -inf: no mass
+                           approx=plan.approx_reciprocal)
+    probs.append(exps * inv_total)
   return tuple(probs)
 
 
 def _softmax_init_parts(x, plan: _Plan, real_columns):
   """(softmax probabilities q, P = q + eps, R0 = P / (colsum(P) + eps), its denominators)."""
-  probs = _softmax_rows(x)
+  probs = _softmax_rows(x, plan)
   p = tuple(jnp.where(real_columns, q + plan.eps, 0.0) for q in probs)
   return (probs, p, *_normalize(p, plan, COLUMNS))
 
@@ -431,7 +441,7 @@ def _launch(kernel, inputs, *, out_dtype, tiles: SinkhornTiles, interpret: bool,
 def sinkhorn_forward(logits, *, iters: int, eps: float, init: str, tiles: SinkhornTiles,
                      interpret: bool):
   """logits: [T, n, n] (float32/bfloat16/float16); returns the [T, n, n] float32 projection."""
-  plan = _plan(logits.shape[-1], iters, eps, init)
+  plan = _plan(logits.shape[-1], iters, eps, init, interpret=interpret)
   return _launch(functools.partial(sinkhorn_forward_kernel, plan=plan), (logits,),
                  out_dtype=jnp.float32, tiles=tiles, interpret=interpret, name="jdet_sinkhorn")
 
@@ -441,7 +451,8 @@ def sinkhorn_unrolled_backward(logits, cotangent, *, iters: int, eps: float, ini
                                tiles: SinkhornTiles, interpret: bool):
   """logits: [T, n, n]; cotangent: [T, n, n] float32. Returns dlogits in logits' dtype."""
   kernel = functools.partial(sinkhorn_unrolled_backward_kernel,
-                             plan=_plan(logits.shape[-1], iters, eps, init),
+                             plan=_plan(logits.shape[-1], iters, eps, init,
+                                        interpret=interpret),
                              segment_units=tiles.segment_units)
   return _launch(kernel, (logits, cotangent), out_dtype=logits.dtype, tiles=tiles,
                  interpret=interpret, name="jdet_sinkhorn_unrolled_bwd")
