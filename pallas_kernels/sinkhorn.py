@@ -75,8 +75,10 @@ class SinkhornTiles:
 # (measured with division, which it keeps): n = 4 8.0 us at (128, 4), 8.4 at
 # (64, 4); n = 8 29 us at (64, 4), 36 at (128, 4). The backward table takes the
 # implicit kernel's best tiles where the unrolled kernel's best are within
-# noise of them (15.6 vs 15.4 us, 75.2 vs 74.1 us). Every candidate was bitwise
-# batch invariant (1000 tokens alone vs inside 65,536).
+# noise of them (15.6 vs 15.4 us, 75.2 vs 74.1 us). n = 16 unrolled: 1.33 ms at
+# (32, 2, 1), 1.40 ms at (32, 2, 2), 30.2 ms at (64, 2, 2) (a token's 256-float
+# state no longer fits in registers); the n = 16 implicit kernel is not timed.
+# Every candidate was bitwise batch invariant (1000 tokens alone vs inside 65,536).
 GPU_FORWARD_TABLE: tuple[tuple[int, SinkhornTiles], ...] = (
     (4, SinkhornTiles(128, 4)),
     (8, SinkhornTiles(256, 8)),
@@ -85,7 +87,7 @@ GPU_FORWARD_TABLE: tuple[tuple[int, SinkhornTiles], ...] = (
 GPU_BACKWARD_TABLE: tuple[tuple[int, SinkhornTiles], ...] = (
     (4, SinkhornTiles(128, 4, segment_units=20)),
     (8, SinkhornTiles(64, 4, segment_units=7)),
-    (16, SinkhornTiles(64, 2, segment_units=2)),
+    (16, SinkhornTiles(32, 2, segment_units=1)),
 )
 
 # Interpret mode (CPU): one tile for every n, and one-unit segments, which keep
