@@ -21,6 +21,7 @@ import numpy as np
 
 import jdet
 from benchmarks import harness
+from jdet.testing import relative_error
 from jdet.tri_inverse import gdn_chunk_matrices, hostile_chunk_matrices
 from pallas_kernels import tri_inverse as kernels
 
@@ -72,8 +73,7 @@ def _errors(fn, n) -> str:
   for a in (gdn_chunk_matrices(jax.random.key(n), ACCURACY_SAMPLE, n),
             hostile_chunk_matrices(ACCURACY_SAMPLE, n)):
     exact = np.linalg.inv(np.eye(n) - np.tril(np.asarray(a, np.float64), -1))
-    error = np.abs(np.asarray(jax.jit(fn)(a), np.float64) - exact).max()
-    results.append(f"{error / np.abs(exact).max():.1e}")
+    results.append(f"{relative_error(jax.jit(fn)(a), exact):.1e}")
   return " / ".join(results)
 
 

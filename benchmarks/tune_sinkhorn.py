@@ -20,6 +20,7 @@ import numpy as np
 
 import jdet
 from benchmarks import harness
+from jdet.testing import relative_error
 from pallas_kernels import sinkhorn as kernels
 
 S = kernels.SinkhornTiles
@@ -33,11 +34,6 @@ UNROLLED = {4: (S(128, 4, 20), S(256, 8, 20), S(64, 4, 20), S(64, 4, 10)),
             8: (S(64, 4, 7), S(128, 8, 7), S(64, 4, 5)),
             16: (S(64, 2, 2), S(32, 2, 2), S(32, 2, 1), S(16, 1, 2))}
 IMPLICIT = {4: (S(128, 4), S(64, 4)), 8: (S(64, 4), S(128, 4)), 16: (S(64, 2), S(32, 2))}
-
-
-def _relative_error(got, want):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return np.abs(got - want).max() / np.abs(want).max()
 
 
 def main():
@@ -75,7 +71,7 @@ def main():
         bits = out.view(np.uint32)
         first = bits if first is None else first
         error = ("-" if name != "bwd unrolled"  # implicit: the fixed point's gradient
-                 else f"{_relative_error(out[:CHECKED], reference_grad):.1e}")
+                 else f"{relative_error(out[:CHECKED], reference_grad):.1e}")
         us = harness.time_us(fn, arg_sets)
         same_alone = np.array_equal(alone.view(np.uint32), bits[:1000])
         print(f"| {name} | {n} | {tiles} | {us:.1f} | {compile_s:.1f} | {error} | "

@@ -52,11 +52,6 @@ def _normal(seed, shape, dtype=jnp.float32):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32).astype(dtype)
 
 
-def _relative_error(got, want) -> float:
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return float(np.max(np.abs(got - want)) / max(np.max(np.abs(want)), 1e-30))
-
-
 def _row_grad(fn):
   """Gradient of sum(fn(x)**2)/2 w.r.t. x: row i's gradient depends on row i only."""
   return jax.grad(lambda x, *rest: 0.5 * jnp.sum(fn(x, *rest) ** 2))
@@ -69,9 +64,9 @@ def matmul_cases(full: bool) -> list[Case]:
   sizes = (1, 2, 3, 7, 16, 17, 100, 129, 1000) if full else (1, 2, 3, 7, 16, 17)
   return [
       Case("matmul", f"fwd bf16 [{m},{k}]x[{k},{n}]", jdet.matmul, (a, b), (0, None),
-           lambda: _relative_error(jdet.matmul(a, b), reference), 1e-2, sizes),
+           lambda: testing.relative_error(jdet.matmul(a, b), reference), 1e-2, sizes),
       Case("matmul", "dA (grad of sum of squares)", _row_grad(jdet.matmul), (a, b),
-           (0, None), lambda: _relative_error(
+           (0, None), lambda: testing.relative_error(
                _row_grad(jdet.matmul)(a.astype(jnp.float32), b.astype(jnp.float32)),
                _row_grad(jdet.matmul_reference)(a.astype(jnp.float32), b.astype(jnp.float32))),
            1e-2 if full else 1e-5, sizes),
@@ -87,13 +82,13 @@ def sinkhorn_cases(full: bool) -> list[Case]:
     sizes = (1, 7, 1000) if full else (1, 2, 7)
     reference = jdet.sinkhorn_reference(logits)
     cases.append(Case("sinkhorn", f"fwd n={n} [{tokens},{n},{n}]", jdet.sinkhorn, (logits,),
-                      (0,), lambda r=reference, x=logits: _relative_error(jdet.sinkhorn(x), r),
+                      (0,), lambda r=reference, x=logits: testing.relative_error(jdet.sinkhorn(x), r),
                       1e-5, sizes))
     unrolled = lambda x: jdet.sinkhorn(x, grad="unrolled")
     want = _row_grad(jdet.sinkhorn_reference)(logits)
     cases.append(Case(
         "sinkhorn", f"grad=unrolled n={n}", _row_grad(unrolled), (logits,), (0,),
-        lambda x=logits, w=want: _relative_error(_row_grad(unrolled)(x), w), 1e-4, sizes))
+        lambda x=logits, w=want: testing.relative_error(_row_grad(unrolled)(x), w), 1e-4, sizes))
     # The implicit gradient is the fixed point's: compare where the iteration has
     # converged (moderate logits, 200 iterations), against the unrolled reference.
     converged = logits * 0.25
@@ -101,7 +96,7 @@ def sinkhorn_cases(full: bool) -> list[Case]:
     want = _row_grad(lambda x: jdet.sinkhorn_reference(x, iters=200))(converged)
     cases.append(Case(
         "sinkhorn", f"grad=implicit n={n} (200 iters)", _row_grad(implicit), (converged,),
-        (0,), lambda x=converged, w=want: _relative_error(_row_grad(implicit)(x), w), 1e-3,
+        (0,), lambda x=converged, w=want: testing.relative_error(_row_grad(implicit)(x), w), 1e-3,
         sizes))
   return cases
 
@@ -114,11 +109,11 @@ def tri_inverse_cases(full: bool) -> list[Case]:
     exact = np.linalg.inv(np.eye(n) - np.tril(np.asarray(a, np.float64), -1))
     sizes = (1, 3, 64, 1000) if full else (1, 3)
     cases.append(Case("tri_inverse", f"fwd blocked n={n} [{count},{n},{n}]", jdet.tri_inverse,
-                      (a,), (0,), lambda x=a, e=exact: _relative_error(jdet.tri_inverse(x), e),
+                      (a,), (0,), lambda x=a, e=exact: testing.relative_error(jdet.tri_inverse(x), e),
                       1e-5, sizes))
     want = _row_grad(jdet.tri_inverse_reference)(a)
     cases.append(Case("tri_inverse", f"dA n={n}", _row_grad(jdet.tri_inverse), (a,), (0,),
-                      lambda x=a, w=want: _relative_error(_row_grad(jdet.tri_inverse)(x), w),
+                      lambda x=a, w=want: testing.relative_error(_row_grad(jdet.tri_inverse)(x), w),
                       1e-4, sizes))
   return cases
 

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["assert_batch_invariant", "assert_deterministic", "assert_bitwise_equal",
-           "bits"]
+           "bits", "relative_error"]
 
 
 def bits(x) -> np.ndarray:
@@ -30,6 +30,13 @@ def bits(x) -> np.ndarray:
   if x.dtype.kind in "fc" or x.dtype.name in ("bfloat16", "float16"):
     return x.view(f"u{x.dtype.itemsize}")
   return x
+
+
+def relative_error(got, want) -> float:
+  """max |got - want| / max |want| in float64: the accuracy measure of jdet's
+  tests, checks and benchmarks (0 for an all-zero ``want`` matched exactly)."""
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 
 def _leaves(tree):

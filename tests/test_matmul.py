@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import jdet
-from jdet.testing import assert_batch_invariant, assert_bitwise_equal, assert_deterministic
+from jdet.testing import (assert_batch_invariant, assert_bitwise_equal, assert_deterministic,
+                          relative_error)
 from pallas_kernels import matmul as kernels
 from pallas_kernels._common import pad_axis
 from tests.conftest import ON_GPU
@@ -108,7 +109,7 @@ def test_accuracy_vs_float64(dtype):
     out = jdet.matmul(a, b, precision=precision)
     assert out.dtype == dtype and out.shape == (2, 37, 70)
     ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
-    err = np.abs(np.asarray(out, np.float64) - ref).max() / np.abs(ref).max()
+    err = relative_error(out, ref)
     tol = TOLERANCE[dtype]
     if dtype == jnp.float32 and precision is None and ON_GPU:
       tol = GPU_TF32_TOLERANCE

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import jdet
-from jdet.testing import assert_batch_invariant, assert_bitwise_equal, assert_deterministic
+from jdet.testing import (assert_batch_invariant, assert_bitwise_equal, assert_deterministic,
+                          relative_error)
 
 ITERS_VALUES = (1, 2, 3, 20)
 # Every n with every iteration count would cost ~20 s of interpret-mode compiles
@@ -33,11 +34,6 @@ def _logits(seed, shape, spread=24.0, dtype=jnp.float32):
 
 def _cotangent(seed, shape):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32)
-
-
-def _relative_error(got, want):
-  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-  return np.abs(got - want).max() / max(np.abs(want).max(), 1e-30)
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,7 +72,7 @@ def test_forward_and_unrolled_grad_match_reference(n, iters_values, init):
     if n == 1:  # the result is 1 whatever the logit: the gradient is 0
       assert np.abs(np.asarray(dx)).max() == 0 and np.abs(np.asarray(want_dx)).max() < 1e-6
     else:
-      assert _relative_error(dx, want_dx) < GRAD_RTOL, (iters, _relative_error(dx, want_dx))
+      assert relative_error(dx, want_dx) < GRAD_RTOL, (iters, relative_error(dx, want_dx))
 
 
 @pytest.mark.parametrize("init", ["softmax", "exp"])
@@ -87,7 +83,7 @@ def test_bfloat16_input(init):
   assert out.dtype == jnp.float32 and dx.dtype == jnp.bfloat16
   np.testing.assert_allclose(out, want, rtol=0, atol=FORWARD_ATOL)
   # The kernel computes in float32 and rounds dlogits to bfloat16 once.
-  assert _relative_error(dx, want_dx) < 4e-3
+  assert relative_error(dx, want_dx) < 4e-3
 
 
 def _fixed_point_vjp_float64(r, dr, *, corrected: bool):
@@ -116,8 +112,8 @@ def test_implicit_matches_unrolled_when_converged(n, init):
   out, unrolled = _value_and_grad(200, init)(x, g)
   _, implicit = _value_and_grad(200, init, "implicit")(x, g)
   assert float(jdet.sinkhorn_residual(out).max()) < 1e-5
-  assert _relative_error(implicit, unrolled) < 1e-4
-  assert _relative_error(implicit, _fixed_point_vjp_float64(out, g, corrected=True)) < 1e-4
+  assert relative_error(implicit, unrolled) < 1e-4
+  assert relative_error(implicit, _fixed_point_vjp_float64(out, g, corrected=True)) < 1e-4
 
 
 def test_implicit_correction_beats_uncorrected_for_seed_convention():
@@ -131,10 +127,10 @@ def test_implicit_correction_beats_uncorrected_for_seed_convention():
   out, corrected = _value_and_grad(3, "softmax", "implicit")(x, g)
   uncorrected = _fixed_point_vjp_float64(out, g, corrected=False)
   assert float(jdet.sinkhorn_residual(out).max()) > 0.1
-  corrected_error = _relative_error(corrected, truth)
-  uncorrected_error = _relative_error(uncorrected, truth)
+  corrected_error = relative_error(corrected, truth)
+  uncorrected_error = relative_error(uncorrected, truth)
   assert corrected_error < 0.5 * uncorrected_error, (corrected_error, uncorrected_error)
-  assert _relative_error(corrected, _fixed_point_vjp_float64(out, g, corrected=True)) < 2e-4
+  assert relative_error(corrected, _fixed_point_vjp_float64(out, g, corrected=True)) < 2e-4
 
 
 def test_invariant_across_token_counts_padding_and_vmap():
@@ -246,7 +242,7 @@ def test_gpu_invariance_and_accuracy_at_scale(n, init):
   sample = slice(0, 4096)
   want, want_dx = _reference_value_and_grad(20, init)(x[sample], g[sample])
   np.testing.assert_allclose(full[0][sample], want, rtol=0, atol=FORWARD_ATOL)
-  assert _relative_error(full[1][sample], want_dx) < GRAD_RTOL
+  assert relative_error(full[1][sample], want_dx) < GRAD_RTOL
   assert_deterministic(fn, x, g, runs=3)
 
 

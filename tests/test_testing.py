@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 import jdet
-from jdet.testing import assert_batch_invariant, assert_bitwise_equal, assert_deterministic
+from jdet.testing import (assert_batch_invariant, assert_bitwise_equal, assert_deterministic,
+                          relative_error)
 
 # K = N = 32: XLA:CPU's dot gives row 0 different bits for 1 row and for 64 rows.
 K = N = 32
@@ -79,3 +80,10 @@ def test_bitwise_equal_distinguishes_signed_zeros():
   with pytest.raises(AssertionError, match="differs in 1 of 2"):
     assert_bitwise_equal(jnp.array([0.0, 1.0]), jnp.array([-0.0, 1.0]))
   assert_bitwise_equal(jnp.array([jnp.nan]), jnp.array([jnp.nan]))
+
+
+def test_relative_error_is_max_abs_error_over_max_abs_reference():
+  assert relative_error([1.0, -4.0], [1.5, -2.0]) == 1.0  # max |diff| 2 over max |want| 2
+  assert relative_error(np.float32([0.1]), np.float64([0.1])) == abs(
+      float(np.float32(0.1)) - 0.1) / 0.1
+  assert relative_error([0.0, 0.0], [0.0, 0.0]) == 0.0
