@@ -84,6 +84,25 @@ def reciprocal(x, *, approx: bool):
   return result
 
 
+def multiply_add(a, b, c, *, fused: bool):
+  """Elementwise float32 ``a * b + c``, inside a kernel; operands broadcast.
+
+  ``fused=True`` (GPU only) is one ``fma.rn.f32``, a single rounding: jaxlib's
+  Triton pipeline does not contract a multiply and an add on its own (Nsight
+  Compute counted 2 fused of ~3,800 FP32 instructions per token in the Sinkhorn
+  backward). Interpret mode needs ``fused=False``. Either way a value's bits
+  depend on its operands alone.
+  """
+  if not fused:
+    return a * b + c
+  shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b), jnp.shape(c))
+  [result] = pltriton.elementwise_inline_asm(
+      "fma.rn.f32 $0, $1, $2, $3;", args=[jnp.broadcast_to(v, shape) for v in (a, b, c)],
+      constraints="=f,f,f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
+  return result
+
+
 def block_mask(start, block: int, limit: int):
   """Boolean [block] vector: which of the indices start..start+block-1 are < limit."""
   return start + jnp.arange(block) < limit

@@ -38,7 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params,
-                                    load_block, pad_axis, reciprocal,
+                                    load_block, multiply_add, pad_axis, reciprocal,
                                     store_block, sum_in_order)
 
 MAX_N = 16
@@ -71,7 +71,11 @@ class SinkhornTiles:
 # (32, 2, 20), 17.8 at (64, 4, 10) (two segments), 19.2 at (128, 8, 20) (19.1 at
 # (64, 4, 20) with division; one 19-unit segment, 20 also serves the exp init's
 # 20 units); n = 8: 74.1 us at (128, 8, 7), 73.7 at (64, 4, 10) (27 s to
-# compile), 75.2 at (64, 4, 7) (110 at (64, 4, 5) with division). Implicit
+# compile), 75.2 at (64, 4, 7) (110 at (64, 4, 5) with division). With the
+# walk's fused multiply-adds (fourth run): n = 4 14.4 us at (128, 4, 20), 16.1
+# at (64, 4, 20), exp init 15.0; n = 8 69.9 us at (64, 4, 7), 70.6 at
+# (128, 8, 7). Nsight Compute on n = 4 at (128, 4, 20), before the fused
+# multiply-adds: 238 registers a thread, no spills, 2 programs an SM. Implicit
 # (measured with division, which it keeps): n = 4 8.0 us at (128, 4), 8.4 at
 # (64, 4); n = 8 29 us at (64, 4), 36 at (128, 4). The backward table takes the
 # implicit kernel's best tiles where the unrolled kernel's best are within
@@ -108,12 +112,13 @@ def sinkhorn_tiles(n: int, *, backward: bool, interpret: bool) -> SinkhornTiles:
 @dataclasses.dataclass(frozen=True)
 class _Plan:
   """The static shape of the iteration: init, unit count and unit axes, and
-  whether reciprocals are the GPU's approximate ones."""
+  whether to use the GPU's approximate reciprocal and fused multiply-add
+  (``native``; interpret mode cannot)."""
   n: int
   eps: float
   softmax_init: bool
   units: int
-  approx_reciprocal: bool
+  native: bool
 
   @property
   def axes(self) -> tuple[int, int]:
@@ -126,7 +131,7 @@ def _plan(n: int, iters: int, eps: float, init: str, *, interpret: bool) -> _Pla
   softmax_init = init == "softmax"
   # The softmax init already did the first column normalisation.
   return _Plan(n, float(eps), softmax_init, iters - 1 if softmax_init else iters,
-               approx_reciprocal=not interpret)
+               native=not interpret)
 
 
 # ---------------------------------------------------------------------------
@@ -169,7 +174,7 @@ def _normalize(m, plan: _Plan, axis: int):
     denominators = _map(lambda s: s + plan.eps, sums, axis)
   else:
     denominators = _map(lambda s: jnp.maximum(s, plan.eps), sums, axis)
-  inv = _map(lambda d: reciprocal(d, approx=plan.approx_reciprocal), denominators, axis)
+  inv = _map(lambda d: reciprocal(d, approx=plan.native), denominators, axis)
   return tuple(row * _per_row(inv, axis, i) for i, row in enumerate(m)), denominators
 
 
@@ -187,7 +192,7 @@ def _normalize_vjp(out, denominators, h_out, plan: _Plan, axis: int):
   if not plan.softmax_init:
     line_sums = _map2(lambda t, d: jnp.where(d > plan.eps, t, 0.0), line_sums,
                       denominators, axis)
-  return tuple(h - _per_row(line_sums, axis, i) * y
+  return tuple(multiply_add(-_per_row(line_sums, axis, i), y, h, fused=plan.native)
                for i, (h, y) in enumerate(zip(h_out, out)))
 
 
@@ -229,22 +234,21 @@ def _softmax_rows(x, plan: _Plan):
     exps = jnp.exp(row - _shift(jnp.max(row, axis=1, keepdims=True)))
     total = _row_sum(exps)
     inv_total = reciprocal(jnp.where(total > 0, total, 1.0),  # all -inf: no mass
-                           approx=plan.approx_reciprocal)
+                           approx=plan.native)
     probs.append(exps * inv_total)
   return tuple(probs)
 
 
 def _softmax_init_parts(x, plan: _Plan, real_columns):
-  """(softmax probabilities q, P = q + eps, R0 = P / (colsum(P) + eps), its denominators)."""
+  """(softmax probabilities q, P = q + eps); P's padding columns are 0."""
   probs = _softmax_rows(x, plan)
-  p = tuple(jnp.where(real_columns, q + plan.eps, 0.0) for q in probs)
-  return (probs, p, *_normalize(p, plan, COLUMNS))
+  return probs, tuple(jnp.where(real_columns, q + plan.eps, 0.0) for q in probs)
 
 
 def _init(x, plan: _Plan, real_columns):
-  """The iterate before the first unit; x's padding columns are -inf."""
+  """The iterate R0 before the first unit; x's padding columns are -inf."""
   if plan.softmax_init:
-    return _softmax_init_parts(x, plan, real_columns)[2]
+    return _normalize(_softmax_init_parts(x, plan, real_columns)[1], plan, COLUMNS)[0]
   return _exp_shifted(x)
 
 
@@ -254,13 +258,15 @@ def _exp_shifted(x):
   return tuple(jnp.exp(row - shift) for row in x)
 
 
-def _init_vjp(x, h_start, plan: _Plan, real_columns):
-  """Cotangent of the logits from h = dR0 ⊙ R0 of the iterate :func:`_init` returns."""
+def _init_vjp(x, start, h_start, plan: _Plan, real_columns):
+  """Cotangent of the logits from h = dR0 ⊙ R0, given R0 = ``start``."""
   if not plan.softmax_init:  # R0 = exp(x - shift): dx = dR0 ⊙ R0 (the shift is constant)
     return h_start
-  probs, p, start, denominators = _softmax_init_parts(x, plan, real_columns)
-  h_p = _normalize_vjp(start, denominators, h_start, plan, COLUMNS)
-  d_probs = tuple(jnp.where(real_columns, h / pi, 0.0) for h, pi in zip(h_p, p))
+  probs, p = _softmax_init_parts(x, plan, real_columns)
+  # The softmax convention's VJP reads no denominators.
+  h_p = _normalize_vjp(start, None, h_start, plan, COLUMNS)
+  d_probs = tuple(jnp.where(real_columns, h * reciprocal(pi, approx=plan.native),
+                            0.0) for h, pi in zip(h_p, p))
   return tuple(q * (g - _row_sum(g * q)) for g, q in zip(d_probs, probs))
 
 
@@ -324,38 +330,43 @@ def sinkhorn_unrolled_backward_kernel(x_ref, g_ref, dx_ref, *, plan: _Plan, toke
   at most ``segment_units``, last segment first: each is recomputed from the
   logits with the forward's own op sequence, keeping only its 2n denominators
   per unit, and walked back by rebuilding each input from its result and
-  denominators (one multiply per entry). Memory: 2n * segment length floats
-  per token; work: about units * (segments + 1) / 2 forward units plus one
-  backward unit per unit.
+  denominators (one multiply per entry). The walk ends at the rebuilt R0,
+  which the init's VJP uses. Memory: 2n * segment length floats per token;
+  work: about units * (segments + 1) / 2 forward units plus one backward unit
+  per unit.
   """
   valid = _token_mask(x_ref.shape[0], tokens)
   real = _real_columns(plan.n, x_ref.shape[1] // plan.n)
   start = lambda: _init(_load_logits(x_ref, valid, plan.n), plan, real)
-  h = _load_matrix(g_ref, valid, plan.n)  # dR, weighted by R where the last unit ends
+  g = _load_matrix(g_ref, valid, plan.n)
 
-  def walk_back(first_unit, length: int, h, may_be_last: bool):
+  def walk_back(first_unit, length: int, h, is_last):
+    """Returns (the rebuilt iterate before ``first_unit``, h there)."""
     m = _iterate(start(), first_unit, plan)
     denominators = []
     for _ in range(length):
       m, d = _unit(m, plan)
       denominators.append(d)
-    if may_be_last:
-      is_last = first_unit + length == plan.units
-      h = tuple(jnp.where(is_last, g * y, g) for g, y in zip(h, m))
+    h = tuple(jnp.where(is_last, a * y, a) for a, y in zip(h, m))  # dR -> dR ⊙ R at the end
     for d in reversed(denominators):
       m, h = _unit_vjp(m, d, h, plan)
-    return h
+    return m, h
 
   if plan.units == 0:
-    h = tuple(g * y for g, y in zip(h, start()))
+    m = start()
+    h = tuple(a * y for a, y in zip(g, m))
   else:
     count, length, rest = _segments(plan.units, segment_units)
-    h = lax.fori_loop(0, count, lambda k, h: walk_back(
-        rest + (count - 1 - k) * length, length, h, may_be_last=True), h)
+
+    def segment(k, carry):  # the k-th segment from the end
+      return walk_back(rest + (count - 1 - k) * length, length, carry[1], k == 0)
+
+    # A lone segment runs with static unit numbers, outside any loop.
+    m, h = segment(0, (None, g)) if count == 1 else lax.fori_loop(0, count, segment, (g, g))  # m slot: any matrix
     if rest:
-      h = lax.fori_loop(0, rest, lambda t, h: walk_back(rest - 1 - t, 1, h, may_be_last=False),
-                        h)
-  _store_matrix(dx_ref, _init_vjp(_load_logits(x_ref, valid, plan.n), h, plan, real), valid)
+      m, h = lax.fori_loop(0, rest, lambda t, carry: walk_back(rest - 1 - t, 1, carry[1], False),
+                           (m, h))
+  _store_matrix(dx_ref, _init_vjp(_load_logits(x_ref, valid, plan.n), m, h, plan, real), valid)
 
 
 # CG on the corrected system stops along directions whose curvature p·Ap is
