@@ -5,9 +5,10 @@ one token per row). A program owns ``block_tokens`` tokens and holds each matrix
 row as a [block_tokens, width] array (width = n rounded up to a power of two,
 zero-filled), so a column sum is an unrolled chain of adds over the rows in
 increasing order and a row sum is a reduction along the row whose order is
-fixed by the tile (which depends on n only). No operation mixes tokens: a token's bits depend on its own logits only, never on the block
-size, the grid, or the other tokens (tail tokens of the last block are masked
-on load and store; a NaN token stays in its own lanes).
+fixed by the tile (which depends on n only). No operation mixes tokens: a
+token's bits depend on its own logits only, never on the block size, the grid,
+or the other tokens (tail tokens of the last block are masked on load and
+store; a NaN token stays in its own lanes).
 
 Iteration (see ``jdet.sinkhorn`` for the formulas): an *init* (softmax rows + eps
 then one column normalisation, or exp of the shifted logits), then ``units``
@@ -186,7 +187,8 @@ def _normalize_vjp(out, denominators, h_out, plan: _Plan, axis: int):
   h_in = h_out - <d(out), out> ⊙ out with <d(out), out> the line sum of h_out:
   no division, and an exact-zero entry keeps h = 0 (no 1/eps factor can
   overflow). Where the exp convention's clamp max(sum, eps) is active the sum
-  has no influence, so only h_in = h_out remains.
+  has no influence, so only h_in = h_out remains. On the GPU each entry is one
+  fused multiply-add.
   """
   line_sums = _sums(h_out, axis)
   if not plan.softmax_init:
@@ -361,8 +363,12 @@ def sinkhorn_unrolled_backward_kernel(x_ref, g_ref, dx_ref, *, plan: _Plan, toke
     def segment(k, carry):  # the k-th segment from the end
       return walk_back(rest + (count - 1 - k) * length, length, carry[1], k == 0)
 
-    # A lone segment runs with static unit numbers, outside any loop.
-    m, h = segment(0, (None, g)) if count == 1 else lax.fori_loop(0, count, segment, (g, g))  # m slot: any matrix
+    # A lone segment runs with static unit numbers, outside any loop. The carry
+    # is (iterate, h); the iterate slot starts as any matrix.
+    if count == 1:
+      m, h = segment(0, (g, g))
+    else:
+      m, h = lax.fori_loop(0, count, segment, (g, g))
     if rest:
       m, h = lax.fori_loop(0, rest, lambda t, carry: walk_back(rest - 1 - t, 1, carry[1], False),
                            (m, h))
