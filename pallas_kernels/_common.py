@@ -68,6 +68,17 @@ def sum_in_order(terms):
   return total
 
 
+def _ptx_f32(instruction: str, *operands):
+  """One PTX float32 instruction per element (``$0`` the result, ``$1``... the
+  operands, which broadcast to one shape); GPU (Triton lowering) only."""
+  shape = jnp.broadcast_shapes(*(jnp.shape(v) for v in operands))
+  [result] = pltriton.elementwise_inline_asm(
+      instruction, args=[jnp.broadcast_to(v, shape) for v in operands],
+      constraints=",".join(["=f"] + ["f"] * len(operands)), pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
+  return result
+
+
 def reciprocal(x, *, approx: bool):
   """Elementwise float32 ``1 / x``, inside a kernel.
 
@@ -76,12 +87,7 @@ def reciprocal(x, *, approx: bool):
   the IEEE division's multi-instruction sequence; interpret mode needs
   ``approx=False``. Either way a value's bits depend on that value alone.
   """
-  if not approx:
-    return 1.0 / x
-  [result] = pltriton.elementwise_inline_asm(
-      "rcp.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, x.dtype)])
-  return result
+  return _ptx_f32("rcp.approx.ftz.f32 $0, $1;", x) if approx else 1.0 / x
 
 
 def multiply_add(a, b, c, *, fused: bool):
@@ -93,14 +99,7 @@ def multiply_add(a, b, c, *, fused: bool):
   backward). Interpret mode needs ``fused=False``. Either way a value's bits
   depend on its operands alone.
   """
-  if not fused:
-    return a * b + c
-  shape = jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b), jnp.shape(c))
-  [result] = pltriton.elementwise_inline_asm(
-      "fma.rn.f32 $0, $1, $2, $3;", args=[jnp.broadcast_to(v, shape) for v in (a, b, c)],
-      constraints="=f,f,f,f", pack=1,
-      result_shape_dtypes=[jax.ShapeDtypeStruct(shape, jnp.float32)])
-  return result
+  return _ptx_f32("fma.rn.f32 $0, $1, $2, $3;", a, b, c) if fused else a * b + c
 
 
 def block_mask(start, block: int, limit: int):
@@ -145,6 +144,7 @@ __all__ = [
     "compiler_params",
     "dot_f32",
     "load_block",
+    "multiply_add",
     "pad_axis",
     "reciprocal",
     "run_as_own_program",
