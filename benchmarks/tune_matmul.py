@@ -1,17 +1,21 @@
 """Times candidate GEMM tiles per M bucket on the GPU and checks their bits agree.
 
-Writes nothing: its printed table is the measurement behind the tile tables in
-``pallas_kernels/matmul.py``. Run: ``PYTHONPATH=. python3 benchmarks/tune_matmul.py``.
+Writes nothing: its printed tables are the measurement behind the tile tables in
+``pallas_kernels/matmul.py`` (Triton ladder) and ``pallas_kernels/hopper_matmul.py``.
+Run: ``PYTHONPATH=. python3 benchmarks/tune_matmul.py [--hopper-m 1024 4096]``;
+``--hopper-m`` sweeps only the Hopper kernel's configs (forward, dA, dB) at those M.
 """
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import harness
+from pallas_kernels import hopper_matmul as hopper
 from pallas_kernels import matmul as kernels
 
 T = kernels.MatmulTiles
@@ -23,9 +27,63 @@ M_VALUES = (16, 64, 256, 1024)
 AT_B_CANDIDATES = (T(128, 256, 8, 3), T(128, 128, 8, 3), T(64, 256, 4, 3))
 SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))
 COPIES = 3  # rotate B so that it does not sit in the 50 MB L2
+H = hopper.HopperTiles
+HOPPER_CANDIDATES = (H(strip_dim=1, strip_width=1), H(strip_dim=1, strip_width=8),
+                     H(strip_dim=0, strip_width=8), H(strip_dim=1, strip_width=16),
+                     H(strip_dim=0, strip_width=8, wgmmas_in_flight=1),
+                     H(strip_dim=0, strip_width=4, wgmmas_in_flight=1))
+HOPPER_KN = ((4096, 4096), (4096, 12288), (4096, 14336), (14336, 4096), (4096, 32000))
 
 
-def main():
+def _hopper_passes(m, k, n):
+  """(pass, XLA fn, Triton fn, Hopper layout, argument sets) for forward, dA, dB."""
+  a = [harness.random_normal(3 * i, (m, k), jnp.bfloat16) for i in range(COPIES)]
+  b = [harness.random_normal(3 * i + 1, (k, n), jnp.bfloat16) for i in range(COPIES)]
+  d = [harness.random_normal(3 * i + 2, (m, n), jnp.bfloat16) for i in range(COPIES)]
+  triton = functools.partial(kernels.matmul, out_dtype=jnp.bfloat16, precision=None,
+                             interpret=False)
+  at_b = functools.partial(kernels.matmul_at_b, out_dtype=jnp.bfloat16, precision=None,
+                           tiles=kernels.at_b_tiles(k, n, 2, interpret=False), interpret=False)
+  fwd_tiles = kernels.matmul_tiles(m, n, 2, interpret=False)
+  da_tiles = kernels.matmul_tiles(m, k, 2, interpret=False)
+  return (
+      ("fwd", jnp.dot, lambda x, y: triton(x[None], y[None], transpose_b=False,
+                                           tiles=fwd_tiles)[0],
+       hopper.Layout.NN, list(zip(a, b))),
+      ("dA", lambda x, y: jnp.dot(x, y.T),
+       lambda x, y: triton(x[None], y[None], transpose_b=True, tiles=da_tiles)[0],
+       hopper.Layout.NT, list(zip(d, b))),
+      ("dB", lambda x, y: jnp.dot(x.T, y), lambda x, y: at_b(x[None], y[None])[0],
+       hopper.Layout.TN, list(zip(a, d))),
+  )
+
+
+def hopper_sweep(m_values):
+  """XLA, the Triton kernel the ladder picks, and each Hopper candidate: time
+  (XLA/kernel) and whether the candidate's bits equal the Triton kernel's."""
+  print(f"# Hopper kernel sweep on {harness.device_description()}")
+  print("| pass | M | K | N | XLA us | Triton us | "
+        + " | ".join(f"strip dim {c.strip_dim} width {c.strip_width}, "
+                     f"{c.wgmmas_in_flight} in flight" for c in HOPPER_CANDIDATES) + " |")
+  print("|---" * (6 + len(HOPPER_CANDIDATES)) + "|")
+  for m in m_values:
+    for k, n in HOPPER_KN:
+      for pass_, xla_fn, triton_fn, layout, args in _hopper_passes(m, k, n):
+        xla = harness.time_us(xla_fn, args)
+        triton_us = harness.time_us(triton_fn, args)
+        reference = np.asarray(triton_fn(*args[0])).view(np.uint16)
+        cells = []
+        for tiles in HOPPER_CANDIDATES:
+          fn = functools.partial(hopper.matmul, layout=layout, out_dtype=jnp.bfloat16,
+                                 tiles=tiles)
+          same = np.array_equal(np.asarray(fn(*args[0])).view(np.uint16), reference)
+          us = harness.time_us(fn, args)
+          cells.append(f"{us:.1f} ({xla / us:.2f}x){'' if same else ' BITS DIFFER'}")
+        print(f"| {pass_} | {m} | {k} | {n} | {xla:.1f} | {triton_us:.1f} "
+              f"({xla / triton_us:.2f}x) | " + " | ".join(cells) + " |", flush=True)
+
+
+def ladder_sweep():
   print(f"# GEMM tile sweep on {harness.device_description()}")
   print("| pass | M | K | N | tiles | us | XLA us | XLA/jdet | bits equal |\n" + "|---" * 9 + "|")
   for k, n in SHAPES:
@@ -53,6 +111,17 @@ def main():
         us = harness.time_us(fn, [(a, d)])
         print(f"| dB | {m} | {k} | {n} | {tiles} | {us:.1f} | {xla:.1f} | "
                      f"{xla / us:.2f} | |", flush=True)
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--hopper-m", type=int, nargs="+",
+                      help="sweep the Hopper kernel's configs at these M instead")
+  args = parser.parse_args()
+  if args.hopper_m:
+    hopper_sweep(args.hopper_m)
+  else:
+    ladder_sweep()
 
 
 if __name__ == "__main__":

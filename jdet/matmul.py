@@ -12,6 +12,7 @@ from jax import lax
 
 from jdet import _triton_backend
 from jdet._backend import as_array, check_float, check_ndim, use_interpret
+from pallas_kernels import hopper_matmul as hopper
 from pallas_kernels import matmul as kernels
 from pallas_kernels._common import pad_axis
 
@@ -107,7 +108,22 @@ def _interpret_for(backend: str, interpret, a, b) -> bool:
   return False
 
 
-def _launch_matmul(config: _GemmConfig, a, b, *, transpose_b, out_dtype, tiles):
+def _on_hopper(config: _GemmConfig, layout, a, b, rows: int, cols: int) -> bool:
+  """Whether this [G, rows, cols] GEMM runs on the Mosaic GPU kernel: the Pallas
+  backend on an H100, one problem (G = 1), a size the kernel serves."""
+  return (config.backend == "pallas" and not config.interpret
+          and a.shape[0] == 1 and b.shape[0] == 1
+          and hopper.serves(layout, rows, cols, a.dtype))
+
+
+def _launch_matmul(config: _GemmConfig, a, b, *, transpose_b, out_dtype):
+  """``a @ b`` (``a @ bᵀ``): a: [G, M, Kp]; b: [Gb, Kp, N] ([Gb, N, Kp])."""
+  m = a.shape[1]
+  n = b.shape[1] if transpose_b else b.shape[2]
+  layout = hopper.Layout.NT if transpose_b else hopper.Layout.NN
+  if _on_hopper(config, layout, a, b, m, n):
+    return hopper.matmul(a[0], b[0], layout=layout, out_dtype=out_dtype)[None]
+  tiles = kernels.matmul_tiles(m, n, a.dtype.itemsize, interpret=config.interpret)
   if config.backend == "triton":
     return _triton_backend.matmul(a, b, transpose_b=transpose_b, out_dtype=out_dtype,
                                   precision=config.precision, tiles=tiles)
@@ -115,7 +131,12 @@ def _launch_matmul(config: _GemmConfig, a, b, *, transpose_b, out_dtype, tiles):
                         precision=config.precision, tiles=tiles, interpret=config.interpret)
 
 
-def _launch_at_b(config: _GemmConfig, a, d, *, out_dtype, tiles):
+def _launch_at_b(config: _GemmConfig, a, d, *, out_dtype):
+  """``aᵀ @ d``: a: [G, Rp, K]; d: [G, Rp, N]."""
+  k, n = a.shape[2], d.shape[2]
+  if _on_hopper(config, hopper.Layout.TN, a, d, k, n):
+    return hopper.matmul(a[0], d[0], layout=hopper.Layout.TN, out_dtype=out_dtype)[None]
+  tiles = kernels.at_b_tiles(k, n, a.dtype.itemsize, interpret=config.interpret)
   if config.backend == "triton":
     return _triton_backend.matmul_at_b(a, d, out_dtype=out_dtype, precision=config.precision,
                                        tiles=tiles)
@@ -169,10 +190,7 @@ def _gemm(a, b, config: _GemmConfig):
   """a: [G, R, K]; b: [Gb, K, N] with Gb in {1, G}; returns [G, R, N]."""
   a_p = pad_axis(a, 2, kernels.BLOCK_K)
   b_p = pad_axis(b, 1, kernels.BLOCK_K)
-  return _launch_matmul(
-      config, a_p, b_p, transpose_b=False, out_dtype=config.out_dtype,
-      tiles=kernels.matmul_tiles(a.shape[1], b.shape[2], a.dtype.itemsize,
-                                  interpret=config.interpret))
+  return _launch_matmul(config, a_p, b_p, transpose_b=False, out_dtype=config.out_dtype)
 
 
 def _gemm_fwd(a, b, config):
@@ -188,16 +206,14 @@ def _gemm_bwd(config, residuals, dc):
   # dA = dC @ Bᵀ: the same invariant kernel, contracting over N in fixed steps.
   da = _launch_matmul(
       config, pad_axis(dc, 2, kernels.BLOCK_K), pad_axis(b.astype(dtype), 2, kernels.BLOCK_K),
-      transpose_b=True, out_dtype=a.dtype,
-      tiles=kernels.matmul_tiles(r, k, jnp.dtype(dtype).itemsize, interpret=config.interpret))
+      transpose_b=True, out_dtype=a.dtype)
   # dB = Aᵀ @ dC: reduced over rows (all groups' rows when b is shared) in
   # fixed 64-row steps; zero rows pad the last step.
   if b.shape[0] == 1:
     a, dc = a.reshape(1, g * r, k), dc.reshape(1, g * r, n)
   db = _launch_at_b(
       config, pad_axis(a.astype(dtype), 1, kernels.BLOCK_K), pad_axis(dc, 1, kernels.BLOCK_K),
-      out_dtype=b.dtype,
-      tiles=kernels.at_b_tiles(k, n, jnp.dtype(dtype).itemsize, interpret=config.interpret))
+      out_dtype=b.dtype)
   return da, db
 
 

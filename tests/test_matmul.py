@@ -1,7 +1,8 @@
 """jdet.matmul: row invariance, determinism, backward, accuracy, errors.
 
 The same tests run in Pallas interpret mode on CPU and natively on a GPU; the
-``gpu``-marked sweep covers every tile config the dispatcher can choose.
+``gpu``-marked sweeps cover every kernel and tile config the dispatcher can
+choose (Triton tiles, and the Mosaic GPU kernel on an H100).
 """
 
 import dataclasses
@@ -15,6 +16,7 @@ import pytest
 import jdet
 from jdet.testing import (assert_batch_invariant, assert_bitwise_equal, assert_deterministic,
                           relative_error)
+from pallas_kernels import hopper_matmul as hopper
 from pallas_kernels import matmul as kernels
 from pallas_kernels._common import pad_axis
 from tests.conftest import ON_GPU
@@ -188,34 +190,112 @@ def test_bad_preferred_element_type():
                 preferred_element_type=jnp.int32)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("k,n", [(4096, 4096), (4096, 14336), (1000, 3000)])
-def test_gpu_invariance_envelope_every_tile_config(k, n):
-  """Every tile the dispatcher can choose gives the same bits, forward and dA,
-  for M from 1 to 4100 across every dispatch boundary."""
+BENCHMARK_KN = ((4096, 4096), (4096, 12288), (4096, 14336), (14336, 4096), (4096, 32000))
+GPU_SWEEP_ROWS = 16411  # odd, past the largest benchmark M
+
+
+def _gpu_kernels_forward_and_da(k, n, dtype=jnp.bfloat16):
+  """Full-size forward and dA from every kernel the dispatcher can pick: each
+  Triton ladder tile and, where it can serve the shape, the Hopper kernel.
+  Asserts they all agree and returns (a, b, g, forward, dA)."""
   rng = np.random.default_rng(5)
-  total = 4100
-  a = _normal(rng, (total, k), jnp.bfloat16)
-  b = _normal(rng, (k, n), jnp.bfloat16)
-  g = _normal(rng, (total, n), jnp.bfloat16)
-  a_p, b_p = pad_axis(a, 1, kernels.BLOCK_K)[None], pad_axis(b, 0, kernels.BLOCK_K)[None]
-  launch = functools.partial(kernels.matmul, transpose_b=False, out_dtype=jnp.bfloat16,
-                             precision=None, interpret=False)
-  reference = np.asarray(launch(a_p, b_p, tiles=kernels.GPU_MATMUL_LADDER[0]))[0]
-  for tiles in kernels.GPU_MATMUL_LADDER[1:]:
-    assert_bitwise_equal(launch(a_p, b_p, tiles=tiles)[0], reference, what=f"tiles {tiles}")
-  da_reference, _ = mm_grads(a, b, g)
-  changes = [m for m in range(2, total + 1)
-             for out_n in (n, k)
-             if kernels.matmul_tiles(m, out_n, 2, interpret=False)
-             != kernels.matmul_tiles(m - 1, out_n, 2, interpret=False)]
-  sizes = sorted({1, 2, 3, 7, 100, total} | {c for m in changes for c in (m - 1, m)})
+  a = _normal(rng, (GPU_SWEEP_ROWS, k), dtype)
+  b = _normal(rng, (k, n), dtype)
+  g = _normal(rng, (GPU_SWEEP_ROWS, n), dtype)
+  operands = {
+      "forward": (pad_axis(a, 1, kernels.BLOCK_K), pad_axis(b, 0, kernels.BLOCK_K), False),
+      "dA": (pad_axis(g, 1, kernels.BLOCK_K), pad_axis(b, 1, kernels.BLOCK_K), True)}
+  results = {}
+  for name, (lhs, rhs, transpose_b) in operands.items():
+    launch = functools.partial(kernels.matmul, lhs[None], rhs[None], transpose_b=transpose_b,
+                               out_dtype=dtype, precision=None, interpret=False)
+    reference = np.asarray(launch(tiles=kernels.GPU_MATMUL_LADDER[0]))[0]
+    for tiles in kernels.GPU_MATMUL_LADDER[1:]:
+      assert_bitwise_equal(launch(tiles=tiles)[0], reference, what=f"{name}, tiles {tiles}")
+    layout = hopper.Layout.NT if transpose_b else hopper.Layout.NN
+    if hopper.serves(layout, GPU_SWEEP_ROWS, reference.shape[1], dtype):
+      got = hopper.matmul(lhs, rhs, layout=layout, out_dtype=dtype)
+      assert_bitwise_equal(got, reference, what=f"{name}, Hopper kernel vs Triton")
+    results[name] = reference
+  return a, b, g, results["forward"], results["dA"]
+
+
+def _dispatch_changes(rows_limit: int, cols: int, layout) -> set[int]:
+  """Every M where the forward/dA dispatch (Triton tile or Hopper kernel) changes."""
+  def choice(m):
+    return (kernels.matmul_tiles(m, cols, 2, interpret=False),
+            hopper.serves(layout, m, cols, jnp.bfloat16))
+  return {m for m in range(2, rows_limit + 1) if choice(m) != choice(m - 1)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", BENCHMARK_KN + ((1000, 3000),))
+def test_gpu_invariance_envelope_every_kernel(k, n):
+  """Every kernel the dispatcher can choose gives the same bits, forward and dA,
+  and M from 1 to 16411 across every dispatch boundary gives a prefix of them."""
+  a, b, g, forward, da_reference = _gpu_kernels_forward_and_da(k, n)
+  changes = (_dispatch_changes(GPU_SWEEP_ROWS, n, hopper.Layout.NN)
+             | _dispatch_changes(GPU_SWEEP_ROWS, k, hopper.Layout.NT))
+  sizes = sorted({1, 2, 3, 7, 100, 1000, 4097, GPU_SWEEP_ROWS}
+                 | {c for m in changes for c in (m - 1, m)})
   for m in sizes:
-    assert_bitwise_equal(mm(a[:m], b), reference[:m], what=f"forward M={m}")
+    assert_bitwise_equal(mm(a[:m], b), forward[:m], what=f"forward M={m}")
     da, _ = mm_grads(a[:m], b, g[:m])
     assert_bitwise_equal(da, da_reference[:m], what=f"dA M={m}")
-  for i in range(0, total, 397):
-    assert_bitwise_equal(mm(a[i:i + 1], b), reference[i:i + 1], what=f"row {i} alone")
+  for i in range(0, GPU_SWEEP_ROWS, 1999):
+    assert_bitwise_equal(mm(a[i:i + 1], b), forward[i:i + 1], what=f"row {i} alone")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k,n", [(4096, 4096), (14336, 4096), (1000, 3000)])
+def test_gpu_db_deterministic_and_unchanged_by_zero_cotangent_rows(k, n):
+  """dB (the Hopper kernel where it serves K x N, else Triton) is run-to-run
+  deterministic, equal to the Triton kernel, and unchanged by appended rows whose
+  cotangent is zero, for row counts on both sides of every 64-row step."""
+  rng = np.random.default_rng(7)
+  total = 4161
+  a, b, g = (_normal(rng, (total, k), jnp.bfloat16), _normal(rng, (k, n), jnp.bfloat16),
+             _normal(rng, (total, n), jnp.bfloat16))
+  triton_db = kernels.matmul_at_b(
+      pad_axis(a, 0, kernels.BLOCK_K)[None], pad_axis(g, 0, kernels.BLOCK_K)[None],
+      out_dtype=jnp.bfloat16, precision=None,
+      tiles=kernels.at_b_tiles(k, n, 2, interpret=False), interpret=False)[0]
+  _, db_full = mm_grads(a, b, g)
+  assert_bitwise_equal(db_full, triton_db, what="dB vs the Triton kernel")
+  assert_deterministic(mm_grads, a, b, g, runs=5)
+  for m in (1, 63, 64, 65, 1000, 4096):
+    _, db = mm_grads(a[:m], b, g[:m])
+    zero_rows = jnp.concatenate([g[:m], jnp.zeros_like(g[m:])])
+    _, db_padded = mm_grads(a, b, zero_rows)
+    assert_bitwise_equal(db_padded, db, what=f"dB, M={m} plus {total - m} zero-cotangent rows")
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_kernel_under_vmap_and_other_dtypes():
+  """Under vmap the Hopper kernel's GEMMs give the bits of the unbatched calls
+  (shared b folds into rows; a batched b or a dB batch runs on Triton), and
+  float16 inputs and a float32 result match the Triton kernel."""
+  rng = np.random.default_rng(8)
+  k, n = 1024, 3072
+  a3, b3 = _normal(rng, (3, 1100, k), jnp.bfloat16), _normal(rng, (3, k, n), jnp.bfloat16)
+  g3 = _normal(rng, (3, 1100, n), jnp.bfloat16)
+  assert hopper.serves(hopper.Layout.NN, 1100, n, jnp.bfloat16)
+  shared = jax.jit(jax.vmap(jdet.matmul, in_axes=(0, None)))(a3, b3[0])
+  batched = jax.jit(jax.vmap(jdet.matmul))(a3, b3)
+  per_example = jax.jit(jax.vmap(mm_grads, in_axes=(0, None, 0)))(a3, b3[0], g3)
+  for i in range(3):
+    assert_bitwise_equal(shared[i], mm(a3[i], b3[0]), what=f"vmap shared b, entry {i}")
+    assert_bitwise_equal(batched[i], mm(a3[i], b3[i]), what=f"vmap batched b, entry {i}")
+    assert_bitwise_equal(jax.tree.map(lambda x: x[i], per_example),
+                         mm_grads(a3[i], b3[0], g3[i]), what=f"per-example grads, entry {i}")
+  a, b = a3[0], b3[0]
+  for dtype, out_dtype in ((jnp.float16, jnp.float16), (jnp.bfloat16, jnp.float32)):
+    got = jdet.matmul(a.astype(dtype), b.astype(dtype), preferred_element_type=out_dtype)
+    want = kernels.matmul(
+        a.astype(dtype)[None], b.astype(dtype)[None], transpose_b=False, out_dtype=out_dtype,
+        precision=None, tiles=kernels.GPU_MATMUL_LADDER[0], interpret=False)[0]
+    assert_bitwise_equal(got, want, what=f"{jnp.dtype(dtype).name} in, "
+                                         f"{jnp.dtype(out_dtype).name} out")
 
 
 @pytest.mark.gpu

@@ -1,0 +1,282 @@
+"""The batch-invariant GEMM on Hopper tensor cores through Mosaic GPU (TMA + wgmma).
+
+Same numerics contract as :mod:`pallas_kernels.matmul`: each output element is
+the sum over the contraction in ``BLOCK_K`` = 64 steps, in increasing order,
+each step's product added to one float32 accumulator that starts at zero,
+rounded to the output dtype once. A step is four k16 ``wgmma`` instructions
+chained into that accumulator, which is what the Triton lowering of the Pallas
+kernels emits on the H100 too, so the two give the same bits and the
+dispatcher may send an M bucket to either (``tests/test_matmul.py`` checks it
+on the GPU across every boundary).
+
+One program per SM walks the output tiles (a persistent grid). Each program
+has a TMA producer warpgroup and two consumer warpgroups, each owning half of a
+``block_m x 2 block_n`` tile. Edge tiles need no masking: TMA loads outside
+the operand read zeros and stores outside the result are dropped. Only 16-bit
+operands (bfloat16, float16); the contraction must be a multiple of 64.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import matmul as ladder
+from pallas_kernels._common import cdiv, pad_axis
+from pallas_kernels.matmul import BLOCK_K
+
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+class Layout(enum.Enum):
+  """How the operands are stored; the output is always [rows, cols]."""
+  NN = "a @ b"        # lhs [M, K], rhs [K, N] (forward)
+  NT = "a @ b.T"      # lhs [M, K], rhs [N, K] (dA = dC @ Bᵀ)
+  TN = "a.T @ b"      # lhs [K, M], rhs [K, N] (dB = Aᵀ @ dC; K is the row count)
+
+
+@dataclasses.dataclass(frozen=True)
+class HopperTiles:
+  """A program's output tile is ``block_m x 2 block_n`` (one half per consumer
+  warpgroup); ``stages`` TMA loads run ahead. Programs take the tiles in strips
+  ``strip_width`` tiles wide across ``strip_dim`` (0: rows of tiles, 1: columns),
+  the index across the strip changing fastest, every other strip walked
+  backwards (L2 reuse). ``wgmmas_in_flight`` steps' wgmmas may still run when the
+  next step's is issued (their inputs stay resident that much longer). None of
+  it changes the sums: each wgmma adds into the accumulator in issue order."""
+  block_m: int = 128
+  block_n: int = 128
+  stages: int = 4
+  strip_dim: int = 0
+  strip_width: int = 8
+  wgmmas_in_flight: int = 1
+
+
+# One config for every layout and shape, chosen on the H100 by
+# `benchmarks/tune_matmul.py --hopper-m 1024 4096` (jax 0.11.2, bf16, CUPTI
+# kernel time, the K x N of benchmarks/bench_matmul.py, forward, dA and dB; the
+# tables are in benchmarks/results/h100.md). As XLA time / this kernel's:
+#   strips 8 row-tiles wide, one wgmma in flight: 0.89-1.05 at M = 1024,
+#   0.96-1.00 at M = 4096 (0.92-1.07 at M = 16384 with none in flight);
+#   strips one row-tile wide: down to 0.51 at M = 1024, N = 32000 (B streams
+#   from HBM once per row of tiles); one column wide: 0.86-0.98 at M = 16384
+#   (A streams once per column); 16 columns wide: 0.65-1.02;
+#   a 64 x 256 program tile (first sweep, M = 256 and 1024): 0.27-0.85.
+TILES = HopperTiles()
+
+# The forward and dA go through this kernel only when the result has at least
+# this many 128 x 256 tiles; below it the Triton ladder's smaller tiles fill the
+# SMs better. Measured at M = 256: 96 tiles (N = 12288) 0.91 of XLA here vs
+# 0.75 for the ladder; 32 tiles (N = 4096) 0.54 here vs 0.93.
+MIN_TILES = 96
+
+# Shared memory of one H100 program (232,448 bytes), less room for barriers.
+SHARED_MEMORY_BYTES = 226 * 1024
+EPILOGUE_TILE = 64
+
+
+def fit_stages(tiles: HopperTiles, itemsize: int, out_itemsize: int) -> HopperTiles:
+  """Lowers ``stages`` until the operand ring and the epilogue buffers fit.
+
+  bf16 in and out fits 4 stages; a float32 result needs 3.
+  """
+  per_stage = (tiles.block_m + 2 * tiles.block_n) * BLOCK_K * itemsize
+  epilogue = 4 * EPILOGUE_TILE * EPILOGUE_TILE * out_itemsize
+  stages = max(1, min(tiles.stages, (SHARED_MEMORY_BYTES - epilogue) // per_stage))
+  return dataclasses.replace(tiles, stages=stages)
+
+
+def available(dtype) -> bool:
+  """16-bit operands on an sm_90 (Hopper) GPU."""
+  if jnp.dtype(dtype) not in DTYPES:
+    return False
+  device = jax.devices()[0]
+  return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
+
+
+def serves(layout: Layout, rows: int, cols: int, dtype) -> bool:
+  """Whether the dispatcher sends an unbatched [rows, cols] GEMM in ``layout`` here.
+
+  TMA's swizzled tiles need every operand's minor dimension and the result's
+  columns to be multiples of 64 (rows are padded to 8 by :func:`matmul`). For
+  the forward and dA, rows is the token count, so the choice depends on it only
+  through the tile count, as the Triton ladder's does; both give the same bits.
+  dB's rows and cols are K and N: its choice never sees the token count.
+  """
+  if not available(dtype) or cols % 64:
+    return False
+  if layout is Layout.TN:
+    return rows % 64 == 0
+  return cdiv(rows, TILES.block_m) * cdiv(cols, 2 * TILES.block_n) >= MIN_TILES
+
+
+def _plgpu():
+  # Imported on first use: Mosaic GPU needs absl, present wherever jax[cuda] is.
+  from jax.experimental.pallas import mosaic_gpu
+  return mosaic_gpu
+
+
+def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
+            rows: int, cols: int, k_steps: int):
+  plgpu = _plgpu()
+  dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
+  bm, bn = tiles.block_m, tiles.block_n
+  cta_n = 2 * bn
+  swizzle = plgpu.find_swizzle(BLOCK_K * dtype.itemsize * 8)
+  transforms = (plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
+                plgpu.SwizzleTransform(swizzle))
+  epi_m = epi_n = EPILOGUE_TILE
+  out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
+  out_transforms = (plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
+                    plgpu.SwizzleTransform(out_swizzle))
+  lhs_t = layout is Layout.TN
+  rhs_t = layout is Layout.NT
+  lhs_spec = plgpu.BlockSpec(
+      (BLOCK_K, bm) if lhs_t else (bm, BLOCK_K),
+      (lambda k: (k, 0)) if lhs_t else (lambda k: (0, k)),
+      transforms=transforms, memory_space=plgpu.SMEM, delay_release=tiles.wgmmas_in_flight)
+  rhs_spec = plgpu.BlockSpec(
+      (cta_n, BLOCK_K) if rhs_t else (BLOCK_K, cta_n),
+      (lambda k: (0, k)) if rhs_t else (lambda k: (k, 0)),
+      transforms=transforms, memory_space=plgpu.SMEM, delay_release=tiles.wgmmas_in_flight)
+
+  def pipeline(body, compute_context):
+    return plgpu.emit_pipeline_warp_specialized(
+        body, grid=(k_steps,), memory_registers=40, in_specs=[lhs_spec, rhs_spec],
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=tiles.stages,
+        compute_context=compute_context)
+
+  ignore = lambda *_, **__: None
+  num_m, num_n = cdiv(rows, bm), cdiv(cols, cta_n)
+
+  @functools.partial(
+      pl.run_scoped,
+      pipeline_allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem),
+      out_smem=plgpu.SMEM((2, 2, epi_m, epi_n), out_dtype, transforms=out_transforms),
+      collective_axes="wg")
+  def _scope(pipeline_allocs, out_smem):
+    wg = lax.axis_index("wg")
+
+    @plgpu.nd_loop((num_m * num_n,), collective_axes="sm")
+    def _tile_loop(loop_info):
+      (t,) = loop_info.index
+      i, j = plgpu.planar_snake(t, (num_m, num_n), tiles.strip_dim, tiles.strip_width)
+      m_slice = pl.ds(i * bm, bm)
+      n_slice = pl.ds(j * cta_n, cta_n)
+      wg_n = pl.ds(wg * bn, bn)
+
+      def compute_context(run_pipeline):
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+        def _acc_scope(acc_ref):
+          run_pipeline(acc_ref)
+          acc = acc_ref[...].astype(out_dtype)
+          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+          out_tile = out_gmem.at[m_slice, n_slice].at[:, wg_n]
+          for mi in range(bm // epi_m):
+            for ni in range(bn // epi_n):
+              slot = (mi * (bn // epi_n) + ni) % 2
+              epi = (slice(mi * epi_m, (mi + 1) * epi_m), slice(ni * epi_n, (ni + 1) * epi_n))
+              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+              out_smem[wg, slot] = acc[epi]
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile.at[epi])
+
+      def mma(_, lhs_smem, rhs_smem, acc_ref):
+        lhs = lhs_smem.transpose((1, 0)) if lhs_t else lhs_smem
+        if rhs_t:
+          rhs = rhs_smem.at[wg_n, :].transpose((1, 0))
+        else:
+          rhs = rhs_smem.at[:, wg_n]
+        plgpu.wgmma(acc_ref, lhs, rhs)
+        plgpu.wgmma_wait(tiles.wgmmas_in_flight)
+        return acc_ref
+
+      lhs_tile = lhs_gmem.at[:, m_slice] if lhs_t else lhs_gmem.at[m_slice, :]
+      rhs_tile = rhs_gmem.at[n_slice, :] if rhs_t else rhs_gmem.at[:, n_slice]
+      pipeline(mma, compute_context)(lhs_tile, rhs_tile, allocations=pipeline_allocs)
+
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "out_dtype", "tiles"))
+def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles = TILES):
+  """One GEMM in ``layout`` on an sm_90 GPU; returns [rows, cols] in ``out_dtype``.
+
+  lhs: [rows, Kp] (NN, NT) or [Kp, rows] (TN); rhs: [Kp, cols] (NN, TN) or
+  [cols, Kp] (NT). Kp is a multiple of BLOCK_K; both operands share a 16-bit
+  dtype; see :func:`serves` for the sizes TMA takes. Under ``vmap`` a shared
+  rhs folds the batch into rows; otherwise the batch runs through the Triton
+  kernels of :mod:`pallas_kernels.matmul`, which give the same bits.
+  """
+  kp, rows = lhs.shape if layout is Layout.TN else lhs.shape[::-1]
+  if kp % BLOCK_K:
+    raise ValueError(f"contraction size {kp} is not a multiple of {BLOCK_K}")
+  if lhs.dtype not in DTYPES or rhs.dtype != lhs.dtype:
+    raise TypeError(f"operands must share a 16-bit dtype, got {lhs.dtype} and {rhs.dtype}")
+  tiles = fit_stages(tiles, lhs.dtype.itemsize, jnp.dtype(out_dtype).itemsize)
+  static = dict(layout=layout, out_dtype=out_dtype, tiles=tiles)
+  run = jax.custom_batching.custom_vmap(functools.partial(_launch, **static))
+  run.def_vmap(functools.partial(_vmap_rule, **static))
+  return run(lhs, rhs)
+
+
+def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
+  plgpu = _plgpu()
+  if layout is Layout.TN:
+    kp, rows = lhs.shape
+    padded_rows = rows
+  else:
+    rows, kp = lhs.shape
+    lhs = pad_axis(lhs, 0, 8)  # TMA's row tiling; the zero rows are sliced off
+    padded_rows = lhs.shape[0]
+  cols = rhs.shape[0] if layout is Layout.NT else rhs.shape[1]
+  kernel = functools.partial(_kernel, layout=layout, tiles=tiles, rows=padded_rows,
+                             cols=cols, k_steps=kp // BLOCK_K)
+  num_tiles = cdiv(padded_rows, tiles.block_m) * cdiv(cols, 2 * tiles.block_n)
+  out = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((padded_rows, cols), out_dtype),
+      grid=(min(jax.devices()[0].core_count, num_tiles),),
+      grid_names=("sm",),
+      num_threads=3,
+      thread_name="wg",
+      compiler_params=plgpu.CompilerParams(
+          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+  )(lhs, rhs)
+  return out[:rows]
+
+
+def _vmap_rule(axis_size, in_batched, lhs, rhs, *, layout: Layout, out_dtype,
+               tiles: HopperTiles):
+  lhs_batched, rhs_batched = in_batched
+  if layout is not Layout.TN and not rhs_batched:
+    rows = lhs.shape[1]
+    out = matmul(lhs.reshape(-1, lhs.shape[2]), rhs, layout=layout, out_dtype=out_dtype,
+                 tiles=tiles)
+    return out.reshape(axis_size, rows, -1), True
+  if not lhs_batched:
+    lhs = jnp.broadcast_to(lhs, (axis_size, *lhs.shape))
+  if not rhs_batched:
+    rhs = rhs[None]
+  if layout is Layout.TN:
+    kp, rows = lhs.shape[1:]
+    cols = rhs.shape[2]
+    out = ladder.matmul_at_b(
+        lhs, jnp.broadcast_to(rhs, (axis_size, kp, cols)), out_dtype=out_dtype,
+        precision=None, tiles=ladder.at_b_tiles(rows, cols, lhs.dtype.itemsize,
+                                                interpret=False),
+        interpret=False)
+  else:
+    rows = lhs.shape[1]
+    cols = rhs.shape[1] if layout is Layout.NT else rhs.shape[2]
+    out = ladder.matmul(
+        lhs, rhs, transpose_b=layout is Layout.NT, out_dtype=out_dtype, precision=None,
+        tiles=ladder.matmul_tiles(rows, cols, lhs.dtype.itemsize, interpret=False),
+        interpret=False)
+  return out, True
