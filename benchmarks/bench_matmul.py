@@ -64,15 +64,17 @@ def rows(cases=CASES, dtype=jnp.bfloat16, backends=("pallas",)) -> list[harness.
 
 def plot_ratio_vs_m(table: list[harness.Row], path: str) -> None:
   """One line per backend, (K, N) and pass: XLA time / jdet time against M (log scale);
-  Triton-backend lines are dashed."""
+  Triton-backend lines are dashed. A case listed twice is plotted from its first row
+  (results files put the newest table first)."""
   import matplotlib
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
   fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
   for ax, pass_ in zip(axes, ("fwd", "fwd+bwd")):
-    series = {}
+    series, seen = {}, set()
     for row in table:
-      if row.pass_ == pass_:
+      if row.pass_ == pass_ and (row.op, row.case) not in seen:
+        seen.add((row.op, row.case))
         m, k, n = (int(part.split("=")[1]) for part in row.case.split())
         series.setdefault((row.op, k, n), []).append((m, row.speedup))
     shapes = sorted({(k, n) for _, k, n in series})
@@ -96,14 +98,15 @@ def main():
   parser.add_argument("--m", type=int, action="append", help="only these M (repeatable)")
   parser.add_argument("--plot", metavar="PNG", help="also plot the ratio against M")
   parser.add_argument("--backend", choices=MATMUL_BACKENDS, action="append",
-                      help="jdet backend to time (repeatable); default: pallas")
+                      help="jdet backend to time or plot (repeatable); default: pallas "
+                           "(all backends with --from-results)")
   parser.add_argument("--from-results", metavar="MD",
                       help="plot rows recorded in a results file instead of measuring")
   args = parser.parse_args()
   if args.from_results:
     with open(args.from_results) as f:
       text = f.read()
-    plot_ratio_vs_m([r for b in MATMUL_BACKENDS
+    plot_ratio_vs_m([r for b in args.backend or MATMUL_BACKENDS
                      for r in harness.rows_from_markdown(text, op_label(b))], args.plot)
     return
   backends = tuple(args.backend or ("pallas",))

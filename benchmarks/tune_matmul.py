@@ -30,8 +30,7 @@ COPIES = 3  # rotate B so that it does not sit in the 50 MB L2
 H = hopper.HopperTiles
 HOPPER_CANDIDATES = (H(strip_dim=1, strip_width=1), H(strip_dim=1, strip_width=8),
                      H(strip_dim=0, strip_width=8), H(strip_dim=1, strip_width=16),
-                     H(strip_dim=0, strip_width=8, wgmmas_in_flight=1),
-                     H(strip_dim=0, strip_width=4, wgmmas_in_flight=1))
+                     H(strip_dim=0, strip_width=4))
 HOPPER_KN = ((4096, 4096), (4096, 12288), (4096, 14336), (14336, 4096), (4096, 32000))
 
 
@@ -63,8 +62,8 @@ def hopper_sweep(m_values):
   (XLA/kernel) and whether the candidate's bits equal the Triton kernel's."""
   print(f"# Hopper kernel sweep on {harness.device_description()}")
   print("| pass | M | K | N | XLA us | Triton us | "
-        + " | ".join(f"strip dim {c.strip_dim} width {c.strip_width}, "
-                     f"{c.wgmmas_in_flight} in flight" for c in HOPPER_CANDIDATES) + " |")
+        + " | ".join(f"strip dim {c.strip_dim} width {c.strip_width}"
+                     for c in HOPPER_CANDIDATES) + " |")
   print("|---" * (6 + len(HOPPER_CANDIDATES)) + "|")
   for m in m_values:
     for k, n in HOPPER_KN:

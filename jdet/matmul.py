@@ -41,7 +41,9 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None,
       inputs always multiply exactly and accumulate in float32. CPU is always
       IEEE float32.
     preferred_element_type: output dtype; defaults to ``jnp.result_type(a, b)``.
-    interpret: ``None`` picks by platform (Triton on GPU, interpret on CPU).
+    interpret: ``None`` picks by platform (native on GPU, interpret on CPU). On an
+      H100 the large bf16/f16 GEMMs (forward, dA, dB) run on a Mosaic GPU kernel, the
+      rest on Triton; both keep the contract below and give the same bits.
     backend: ``"pallas"`` (default) runs the Pallas kernels; ``"triton"`` runs
       the same GEMM written in Triton, launched by jax-triton (NVIDIA GPU only;
       install with ``pip install 'jdet[triton]'``). Both keep the contract below;

@@ -47,23 +47,21 @@ class HopperTiles:
   warpgroup); ``stages`` TMA loads run ahead. Programs take the tiles in strips
   ``strip_width`` tiles wide across ``strip_dim`` (0: rows of tiles, 1: columns),
   the index across the strip changing fastest, every other strip walked
-  backwards (L2 reuse). ``wgmmas_in_flight`` steps' wgmmas may still run when the
-  next step's is issued (their inputs stay resident that much longer). None of
-  it changes the sums: each wgmma adds into the accumulator in issue order."""
+  backwards (L2 reuse). None of it changes the sums."""
   block_m: int = 128
   block_n: int = 128
   stages: int = 4
   strip_dim: int = 0
   strip_width: int = 8
-  wgmmas_in_flight: int = 1
 
 
 # One config for every layout and shape, chosen on the H100 by
 # `benchmarks/tune_matmul.py --hopper-m 1024 4096` (jax 0.11.2, bf16, CUPTI
 # kernel time, the K x N of benchmarks/bench_matmul.py, forward, dA and dB; the
 # tables are in benchmarks/results/h100.md). As XLA time / this kernel's:
-#   strips 8 row-tiles wide, one wgmma in flight: 0.89-1.05 at M = 1024,
-#   0.96-1.00 at M = 4096 (0.92-1.07 at M = 16384 with none in flight);
+#   strips 8 row-tiles wide: 0.89-1.06 at M = 1024, 0.96-0.98 at M = 4096,
+#   0.92-1.07 at M = 16384. Letting one step's wgmma run on while the next is
+#   issued gained at most 0.01 and the launch failed when K is a single step.
 #   strips one row-tile wide: down to 0.51 at M = 1024, N = 32000 (B streams
 #   from HBM once per row of tiles); one column wide: 0.86-0.98 at M = 16384
 #   (A streams once per column); 16 columns wide: 0.65-1.02;
@@ -71,10 +69,13 @@ class HopperTiles:
 TILES = HopperTiles()
 
 # The forward and dA go through this kernel only when the result has at least
-# this many 128 x 256 tiles; below it the Triton ladder's smaller tiles fill the
-# SMs better. Measured at M = 256: 96 tiles (N = 12288) 0.91 of XLA here vs
-# 0.75 for the ladder; 32 tiles (N = 4096) 0.54 here vs 0.93.
+# MIN_TILES tiles of 128 x 256, and at least MIN_ROW_TILES rows of them; below
+# that the Triton ladder's smaller tiles fill the SMs better. Measured as XLA
+# time / kernel time: at M = 256, 96 tiles (N = 12288) 0.91 here vs 0.75 for
+# the ladder, 32 tiles (N = 4096) 0.54 here vs 0.93; at M = 1 and 16 with
+# N = 32000 (125 tiles in one row) 0.89-0.91 here vs 0.97-0.98 for the ladder.
 MIN_TILES = 96
+MIN_ROW_TILES = 2
 
 # Shared memory of one H100 program (232,448 bytes), less room for barriers.
 SHARED_MEMORY_BYTES = 226 * 1024
@@ -113,12 +114,18 @@ def serves(layout: Layout, rows: int, cols: int, dtype) -> bool:
     return False
   if layout is Layout.TN:
     return rows % 64 == 0
-  return cdiv(rows, TILES.block_m) * cdiv(cols, 2 * TILES.block_n) >= MIN_TILES
+  row_tiles = cdiv(rows, TILES.block_m)
+  return row_tiles >= MIN_ROW_TILES and row_tiles * cdiv(cols, 2 * TILES.block_n) >= MIN_TILES
 
 
 def _plgpu():
-  # Imported on first use: Mosaic GPU needs absl, present wherever jax[cuda] is.
-  from jax.experimental.pallas import mosaic_gpu
+  """Pallas Mosaic GPU, imported on first use (it needs absl-py, which jax does not)."""
+  try:
+    from jax.experimental.pallas import mosaic_gpu
+  except ModuleNotFoundError as e:
+    raise ImportError(
+        f"jdet.matmul's H100 kernel needs Pallas Mosaic GPU, which failed to import ({e}); "
+        "install the GPU extras: python3 -m pip install -e '.[cuda]'") from e
   return mosaic_gpu
 
 
@@ -140,11 +147,11 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   lhs_spec = plgpu.BlockSpec(
       (BLOCK_K, bm) if lhs_t else (bm, BLOCK_K),
       (lambda k: (k, 0)) if lhs_t else (lambda k: (0, k)),
-      transforms=transforms, memory_space=plgpu.SMEM, delay_release=tiles.wgmmas_in_flight)
+      transforms=transforms, memory_space=plgpu.SMEM)
   rhs_spec = plgpu.BlockSpec(
       (cta_n, BLOCK_K) if rhs_t else (BLOCK_K, cta_n),
       (lambda k: (0, k)) if rhs_t else (lambda k: (k, 0)),
-      transforms=transforms, memory_space=plgpu.SMEM, delay_release=tiles.wgmmas_in_flight)
+      transforms=transforms, memory_space=plgpu.SMEM)
 
   def pipeline(body, compute_context):
     return plgpu.emit_pipeline_warp_specialized(
@@ -194,7 +201,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
         else:
           rhs = rhs_smem.at[:, wg_n]
         plgpu.wgmma(acc_ref, lhs, rhs)
-        plgpu.wgmma_wait(tiles.wgmmas_in_flight)
+        plgpu.wgmma_wait(0)
         return acc_ref
 
       lhs_tile = lhs_gmem.at[:, m_slice] if lhs_t else lhs_gmem.at[m_slice, :]

@@ -13,6 +13,9 @@ Kernels:
   * :func:`matmul_kernel` - ``C[g] = A[g] @ B[g]`` or ``A[g] @ B[g]ᵀ`` (forward, dA).
   * :func:`matmul_at_b_kernel` - ``C[g] = A[g]ᵀ @ D[g]``, reduced over rows in
     ``BLOCK_K`` steps (dB): appending rows whose D is zero adds exact zeros.
+
+On an H100, ``jdet.matmul`` sends the large bf16/f16 GEMMs to the Mosaic GPU
+kernel of :mod:`pallas_kernels.hopper_matmul` instead; it keeps this contract.
 """
 
 from __future__ import annotations
