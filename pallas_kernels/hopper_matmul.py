@@ -59,13 +59,14 @@ class HopperTiles:
 # `benchmarks/tune_matmul.py --hopper-m 1024 4096` (jax 0.11.2, bf16, CUPTI
 # kernel time, the K x N of benchmarks/bench_matmul.py, forward, dA and dB; the
 # tables are in benchmarks/results/h100.md). As XLA time / this kernel's:
-#   strips 8 row-tiles wide: 0.89-1.06 at M = 1024, 0.96-0.98 at M = 4096,
-#   0.92-1.07 at M = 16384. Letting one step's wgmma run on while the next is
-#   issued gained at most 0.01 and the launch failed when K is a single step.
+#   strips 8 row-tiles wide (chosen): 0.89-1.06 at M = 1024, 0.96-0.98 at
+#   M = 4096, 0.92-1.07 at M = 16384;
 #   strips one row-tile wide: down to 0.51 at M = 1024, N = 32000 (B streams
 #   from HBM once per row of tiles); one column wide: 0.86-0.98 at M = 16384
 #   (A streams once per column); 16 columns wide: 0.65-1.02;
-#   a 64 x 256 program tile (first sweep, M = 256 and 1024): 0.27-0.85.
+#   a 64 x 256 program tile (first sweep, M = 256 and 1024): 0.27-0.85;
+#   issuing a step's wgmma before the last one finished: at most 0.01 faster,
+#   and its launch failed when the contraction is a single step.
 TILES = HopperTiles()
 
 # The forward and dA go through this kernel only when the result has at least
