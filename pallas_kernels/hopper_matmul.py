@@ -78,8 +78,6 @@ TILES = HopperTiles()
 MIN_TILES = 96
 MIN_ROW_TILES = 2
 
-# Shared memory of one H100 program (232,448 bytes), less room for barriers.
-SHARED_MEMORY_BYTES = 226 * 1024
 EPILOGUE_TILE = 64
 
 
@@ -90,7 +88,8 @@ def fit_stages(tiles: HopperTiles, itemsize: int, out_itemsize: int) -> HopperTi
   """
   per_stage = (tiles.block_m + 2 * tiles.block_n) * BLOCK_K * itemsize
   epilogue = 4 * EPILOGUE_TILE * EPILOGUE_TILE * out_itemsize
-  stages = max(1, min(tiles.stages, (SHARED_MEMORY_BYTES - epilogue) // per_stage))
+  room = ladder.GPU_SHARED_MEMORY_BYTES - epilogue
+  stages = max(1, min(tiles.stages, room // per_stage))
   return dataclasses.replace(tiles, stages=stages)
 
 
