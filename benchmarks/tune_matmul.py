@@ -2,8 +2,9 @@
 
 Writes nothing: its printed tables are the measurement behind the tile tables in
 ``pallas_kernels/matmul.py`` (Triton ladder) and ``pallas_kernels/hopper_matmul.py``.
-Run: ``PYTHONPATH=. python3 benchmarks/tune_matmul.py [--hopper-m 1024 4096]``;
-``--hopper-m`` sweeps only the Hopper kernel's configs (forward, dA, dB) at those M.
+Run: ``PYTHONPATH=. python3 benchmarks/tune_matmul.py [--m 1 16 64 256]
+[--hopper-m 1024 4096]``; ``--hopper-m`` sweeps only the Hopper kernel's configs
+(forward, dA, dB) at those M; ``--at-b`` the Triton dB kernel's tiles.
 """
 
 from __future__ import annotations
@@ -19,13 +20,18 @@ from pallas_kernels import hopper_matmul as hopper
 from pallas_kernels import matmul as kernels
 
 T = kernels.MatmulTiles
-FORWARD_CANDIDATES = (
-    T(16, 32, 4, 4), T(16, 32, 4, 6), T(16, 64, 4, 5), T(32, 64, 4, 4), T(64, 64, 4, 4),
-    T(64, 128, 4, 3), T(64, 128, 4, 4), T(128, 128, 8, 3), T(128, 256, 8, 3),
-)
-M_VALUES = (16, 64, 256, 1024)
+# Forward/dA candidates per M: the ladder's tiles at several stage counts.
+DECODE_CANDIDATES = ([T(16, 32, 4, s) for s in (6, 8, 10, 12)]
+                     + [T(16, 64, 4, s) for s in (5, 8, 10)] + [T(64, 64, 4, s) for s in (4, 8)])
+LADDER_CANDIDATES = {
+    1: DECODE_CANDIDATES,
+    16: DECODE_CANDIDATES,
+    64: [T(16, 64, 4, s) for s in (5, 8)] + [T(64, 64, 4, s) for s in (4, 6, 8, 10)]
+        + [T(64, 128, 4, s) for s in (4, 6, 8)],
+    256: [T(64, 128, 4, s) for s in (4, 5, 6, 7, 8)] + [T(64, 64, 4, s) for s in (6, 8)]
+         + [T(128, 128, 8, s) for s in (3, 4, 5)] + [T(128, 256, 8, 3)],
+}
 AT_B_CANDIDATES = (T(128, 256, 8, 3), T(128, 128, 8, 3), T(64, 256, 4, 3))
-SHAPES = ((4096, 4096), (14336, 4096), (4096, 14336))
 COPIES = 3  # rotate B so that it does not sit in the 50 MB L2
 H = hopper.HopperTiles
 HOPPER_CANDIDATES = (H(strip_dim=1, strip_width=1), H(strip_dim=1, strip_width=8),
@@ -82,45 +88,70 @@ def hopper_sweep(m_values):
               f"({xla / triton_us:.2f}x) | " + " | ".join(cells) + " |", flush=True)
 
 
-def ladder_sweep():
+def ladder_sweep(m_values):
+  """Forward and dA at each M: XLA, the tile the ladder picks, and every
+  candidate of LADDER_CANDIDATES (XLA time / kernel time; bits against the pick)."""
   print(f"# GEMM tile sweep on {harness.device_description()}")
-  print("| pass | M | K | N | tiles | us | XLA us | XLA/jdet | bits equal |\n" + "|---" * 9 + "|")
-  for k, n in SHAPES:
-    bs = [harness.random_normal(i, (1, k, n), jnp.bfloat16) for i in range(COPIES)]
-    for m in M_VALUES:
-      candidates = [t for t in FORWARD_CANDIDATES if t.block_m <= max(16, m)]
-      a = harness.random_normal(0, (1, m, k), jnp.bfloat16)
-      xla = harness.time_us(jnp.dot, [(a[0], b[0]) for b in bs])
-      reference = None
-      for tiles in candidates:
-        fn = functools.partial(kernels.matmul, transpose_b=False, out_dtype=jnp.bfloat16,
-                               precision=None, tiles=tiles, interpret=False)
-        out = np.asarray(fn(a, bs[0])).view(np.uint16)
-        reference = out if reference is None else reference
-        us = harness.time_us(fn, [(a, b) for b in bs])
-        print(f"| fwd | {m} | {k} | {n} | {tiles} | {us:.1f} | {xla:.1f} | "
-                     f"{xla / us:.2f} | {np.array_equal(out, reference)} |", flush=True)
-    for m in (1024,):
-      a = harness.random_normal(0, (1, m, k), jnp.bfloat16)
-      d = harness.random_normal(2, (1, m, n), jnp.bfloat16)
-      xla = harness.time_us(lambda x, y: jnp.dot(x.T, y), [(a[0], d[0])])
-      for tiles in AT_B_CANDIDATES:
-        fn = functools.partial(kernels.matmul_at_b, out_dtype=jnp.bfloat16, precision=None,
-                               tiles=tiles, interpret=False)
-        us = harness.time_us(fn, [(a, d)])
-        print(f"| dB | {m} | {k} | {n} | {tiles} | {us:.1f} | {xla:.1f} | "
-                     f"{xla / us:.2f} | |", flush=True)
+  print("| pass | M | K | N | XLA us | ladder pick | best | candidates |\n" + "|---" * 8 + "|")
+  triton = functools.partial(kernels.matmul, out_dtype=jnp.bfloat16, precision=None,
+                             interpret=False)
+  for k, n in HOPPER_KN:
+    for transpose_b in (False, True):  # dA contracts over N and returns [M, K]
+      cols, depth = (k, n) if transpose_b else (n, k)
+      b_shape = (1, cols, depth) if transpose_b else (1, depth, cols)
+      bs = [harness.random_normal(i, b_shape, jnp.bfloat16) for i in range(COPIES)]
+      for m in m_values:
+        a = [harness.random_normal(10 + i, (1, m, depth), jnp.bfloat16) for i in range(COPIES)]
+        args = list(zip(a, bs))
+        xla = harness.time_us(
+            lambda x, y: jnp.dot(x[0], y[0].T if transpose_b else y[0]), args)
+        pick = kernels.matmul_tiles(m, cols, 2, interpret=False)
+        reference = np.asarray(triton(*args[0], transpose_b=transpose_b, tiles=pick))
+        results = []
+        for tiles in [pick, *LADDER_CANDIDATES[m]]:
+          fn = functools.partial(triton, transpose_b=transpose_b, tiles=tiles)
+          same = np.array_equal(np.asarray(fn(*args[0])).view(np.uint16),
+                                reference.view(np.uint16))
+          results.append((xla / harness.time_us(fn, args), tiles, same))
+        name = lambda t: f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}"
+        best = max(results[1:], key=lambda r: r[0])
+        cells = ", ".join(f"{name(t)} {r:.2f}{'' if same else ' BITS DIFFER'}"
+                          for r, t, same in results[1:])
+        print(f"| {'dA' if transpose_b else 'fwd'} | {m} | {k} | {n} | {xla:.1f} | "
+              f"{name(pick)} {results[0][0]:.2f} | {name(best[1])} {best[0]:.2f} | {cells} |",
+              flush=True)
+
+
+def at_b_sweep(m=1024):
+  """dB (Triton kernel) tiles at one M: they may depend on K and N only."""
+  print("| pass | M | K | N | tiles | us | XLA us | XLA/jdet |\n" + "|---" * 8 + "|")
+  for k, n in HOPPER_KN:
+    a = harness.random_normal(0, (1, m, k), jnp.bfloat16)
+    d = harness.random_normal(2, (1, m, n), jnp.bfloat16)
+    xla = harness.time_us(lambda x, y: jnp.dot(x.T, y), [(a[0], d[0])])
+    for tiles in AT_B_CANDIDATES:
+      fn = functools.partial(kernels.matmul_at_b, out_dtype=jnp.bfloat16, precision=None,
+                             tiles=tiles, interpret=False)
+      us = harness.time_us(fn, [(a, d)])
+      print(f"| dB | {m} | {k} | {n} | {tiles} | {us:.1f} | {xla:.1f} | {xla / us:.2f} |",
+            flush=True)
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
+  parser.add_argument("--m", type=int, nargs="+", default=sorted(LADDER_CANDIDATES),
+                      choices=sorted(LADDER_CANDIDATES), help="ladder sweep at these M")
   parser.add_argument("--hopper-m", type=int, nargs="+",
                       help="sweep the Hopper kernel's configs at these M instead")
+  parser.add_argument("--at-b", action="store_true",
+                      help="sweep the Triton dB kernel's tiles at M = 1024 instead")
   args = parser.parse_args()
   if args.hopper_m:
     hopper_sweep(args.hopper_m)
+  elif args.at_b:
+    at_b_sweep()
   else:
-    ladder_sweep()
+    ladder_sweep(args.m)
 
 
 if __name__ == "__main__":

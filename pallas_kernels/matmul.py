@@ -39,41 +39,61 @@ class MatmulTiles:
   """Output tile of one program and its Triton launch parameters.
 
   ``group_m`` tiles of a column of tiles run next to each other (L2 reuse of the
-  B tile); like the rest it moves work between programs, never changes the sums.
+  B tile). ``one_wave_stages``, when set, replaces ``num_stages`` for a grid of
+  at most GPU_ONE_WAVE programs: each SM then runs a single program, and only
+  loads in flight hide memory latency. Like the rest, these move work between
+  programs and change when blocks are loaded, never the sums.
   """
   block_m: int
   block_n: int
   num_warps: int
   num_stages: int
   group_m: int = 8
+  one_wave_stages: int | None = None
 
 
-# Forward / dA tiles on the GPU, largest first. The dispatcher takes the first
+# Forward / dA tiles on the GPU, largest first. Up to 64 rows the dispatcher
+# keeps to the smallest block_m that holds every row (one row of tiles, so B
+# streams from memory once); above, it considers them all. It takes the first
 # tile whose grid has at least GPU_MIN_PROGRAMS programs (about one wave on the
-# H100's 132 SMs), else the last. Only tile shape and launch parameters change
-# with M and N; BLOCK_K and the K order never do. Every tile below gave the same
-# bits as every other in the H100 sweep (benchmarks/tune_matmul.py, 2026-11-22,
-# jax 0.11.2, bf16, K x N in {4096 x 4096, 14336 x 4096, 4096 x 14336}, CUPTI
-# kernel time). What the sweep showed, as XLA time / jdet time:
+# H100's 132 SMs), else the last candidate, and gives it ``one_wave_stages``
+# when the grid is a single wave. Only tile shape and launch parameters change
+# with M and N; BLOCK_K and the K order never do. Every tile and stage count
+# below gave the same bits as every other in the H100 sweeps
+# (benchmarks/tune_matmul.py, 2026-11-22, jax 0.11.2, bf16, CUPTI kernel time;
+# tables in benchmarks/results/h100.md). What they showed, as XLA time / jdet time:
 #   (128, 256, 8 warps, 3 stages): M >= 1024: 0.82-0.94; the best large-M tile.
-#   (128, 128, 8, 3): M = 256, N = 14336: 0.86 (vs 0.90 for 128 x 256).
-#   (64, 128, 4, 4): M = 256, N = 4096: 0.73-0.93; M = 64, N = 14336: 1.20.
-#   (64, 64, 4, 4): M = 64, N = 14336: 1.19.
-#   (16, 64, 4, 5): M = 64, N = 4096: 0.88-1.08; M = 16, N = 14336: 1.10.
-#   (16, 32, 4, 6): M = 16, N = 4096: 0.90-0.99 (narrow tiles fill the SMs).
+#   (128, 128, 8, 3): M = 256, N = 14336: 0.86 (vs 0.90 for 128 x 256); 5
+#     stages at M = 256 with a 4096-column result (64 programs): 0.58-0.87
+#     against 0.46-0.68 for 3.
+#   (64, 128, 4, 4): M = 64, N = 14336: 1.20. At M = 256 with a 4096-column
+#     result (128 programs, one wave) 8 stages: 0.82-1.22 against 0.65-0.93 for
+#     4, over the six benchmark forward and dA GEMMs of that shape
+#     (contractions of 4096-32000).
+#   (64, 64, 4, 4): M = 64, N = 12288 or 14336: 1.11-1.19 (6-10 stages no
+#     better than +0.01). At M = 64, N = 4096 (64 programs) 10 stages:
+#     1.08-1.30, against 0.79-1.11 for the (16, 64) tile the ladder took
+#     before and 0.69-1.00 for 4.
+#   (16, 64, 4, 5): M = 1 and 16, N = 12288 or 14336: 0.99-1.09 (5 stages beat
+#     8 and 10 there); 10 stages at 64 programs: 0.95-1.11 against 0.74-0.91.
+#   (16, 32, 4, 6): M = 1 and 16, N = 4096 (128 programs) 12 stages:
+#     0.97-1.15, against 0.85-1.01 for 6.
+# At M = 128 the rule's pick (0.97-1.26) was within 0.02 of the best candidate
+# for all ten benchmark forward and dA GEMMs.
 GPU_MATMUL_LADDER: tuple[MatmulTiles, ...] = (
     MatmulTiles(128, 256, 8, 3),
-    MatmulTiles(128, 128, 8, 3),
-    MatmulTiles(64, 128, 4, 4),
-    MatmulTiles(64, 64, 4, 4),
-    MatmulTiles(16, 64, 4, 5),
-    MatmulTiles(16, 32, 4, 6),
+    MatmulTiles(128, 128, 8, 3, one_wave_stages=5),
+    MatmulTiles(64, 128, 4, 4, one_wave_stages=8),
+    MatmulTiles(64, 64, 4, 4, one_wave_stages=10),
+    MatmulTiles(16, 64, 4, 5, one_wave_stages=10),
+    MatmulTiles(16, 32, 4, 6, one_wave_stages=12),
 )
 GPU_MIN_PROGRAMS = 128
+GPU_ONE_WAVE = 132  # the H100's SM count
 
 # dB = Aᵀ @ D tiles on the GPU: the output is [K, N], so they never depend on the
 # row count. (128, 256, 8, 3) was the fastest of (128, 256), (128, 128), (64, 256)
-# in the same sweep at M = 1024: 0.70-0.87 of XLA.
+# at M = 1024 (tune_matmul.py --at-b): 0.70-0.87 of XLA.
 GPU_AT_B_TILES = MatmulTiles(128, 256, 8, 3)
 
 # Interpret mode (CPU): one tile for every shape. XLA:CPU may pick a different
@@ -101,10 +121,18 @@ def matmul_tiles(m: int, n: int, itemsize: int, *, interpret: bool) -> MatmulTil
   """Forward/dA tiles for an [m, n] result (any K) of ``itemsize``-byte operands."""
   if interpret:
     return INTERPRET_TILES
-  for tiles in GPU_MATMUL_LADDER:
-    if cdiv(m, tiles.block_m) * cdiv(n, tiles.block_n) >= GPU_MIN_PROGRAMS:
-      return fit_stages(tiles, itemsize)
-  return fit_stages(GPU_MATMUL_LADDER[-1], itemsize)
+  candidates = GPU_MATMUL_LADDER
+  if m <= max(t.block_m for t in candidates if t.block_m <= 64):
+    rows = min(t.block_m for t in candidates if t.block_m >= m)
+    candidates = tuple(t for t in candidates if t.block_m == rows)
+
+  def programs(tiles):
+    return cdiv(m, tiles.block_m) * cdiv(n, tiles.block_n)
+
+  tiles = next((t for t in candidates if programs(t) >= GPU_MIN_PROGRAMS), candidates[-1])
+  if tiles.one_wave_stages and programs(tiles) <= GPU_ONE_WAVE:
+    tiles = dataclasses.replace(tiles, num_stages=tiles.one_wave_stages)
+  return fit_stages(tiles, itemsize)
 
 
 def at_b_tiles(k: int, n: int, itemsize: int, *, interpret: bool) -> MatmulTiles:

@@ -194,9 +194,34 @@ BENCHMARK_KN = ((4096, 4096), (4096, 12288), (4096, 14336), (14336, 4096), (4096
 GPU_SWEEP_ROWS = 16411  # odd, past the largest benchmark M
 
 
+def test_ladder_dispatch_rule():
+  """The GPU ladder rule (pure Python, so it runs anywhere): every 16-bit choice
+  is a ladder tile at one of its stage counts, float32 the same tile with fewer
+  stages if needed to fit shared memory, and up to 64 rows one row of tiles."""
+  launch = lambda t: (t.block_m, t.block_n, t.num_warps, t.num_stages)
+  configs = {launch(c) for c in _gpu_ladder_configs()}
+  for m in (1, 5, 16, 17, 64, 65, 128, 256, 1000, 4096):
+    for n in (1, 100, 1000, 4096, 12288, 32000):
+      half = kernels.matmul_tiles(m, n, 2, interpret=False)
+      single = kernels.matmul_tiles(m, n, 4, interpret=False)
+      assert launch(half) in configs, (m, n, half)
+      assert launch(single)[:3] == launch(half)[:3] and single.num_stages <= half.num_stages
+      stage_bytes = (single.block_m + single.block_n) * kernels.BLOCK_K * 4
+      assert stage_bytes * single.num_stages <= kernels.GPU_SHARED_MEMORY_BYTES
+      assert m > 64 or half.block_m >= m, (m, n, half)
+
+
+def _gpu_ladder_configs():
+  """Every ladder tile, with its usual stage count and its one-wave stage count."""
+  return [stages for tiles in kernels.GPU_MATMUL_LADDER
+          for stages in (tiles, dataclasses.replace(tiles, num_stages=tiles.one_wave_stages))
+          if stages.num_stages]
+
+
 def _gpu_kernels_forward_and_da(k, n, dtype=jnp.bfloat16):
   """Full-size forward and dA from every kernel the dispatcher can pick: each
-  Triton ladder tile and, where it can serve the shape, the Hopper kernel.
+  Triton ladder tile at each of its stage counts and, where it can serve the
+  shape, the Hopper kernel.
   Asserts they all agree and returns (a, b, g, forward, dA)."""
   rng = np.random.default_rng(5)
   a = _normal(rng, (GPU_SWEEP_ROWS, k), dtype)
@@ -209,8 +234,9 @@ def _gpu_kernels_forward_and_da(k, n, dtype=jnp.bfloat16):
   for name, (lhs, rhs, transpose_b) in operands.items():
     launch = functools.partial(kernels.matmul, lhs[None], rhs[None], transpose_b=transpose_b,
                                out_dtype=dtype, precision=None, interpret=False)
-    reference = np.asarray(launch(tiles=kernels.GPU_MATMUL_LADDER[0]))[0]
-    for tiles in kernels.GPU_MATMUL_LADDER[1:]:
+    configs = _gpu_ladder_configs()
+    reference = np.asarray(launch(tiles=configs[0]))[0]
+    for tiles in configs[1:]:
       assert_bitwise_equal(launch(tiles=tiles)[0], reference, what=f"{name}, tiles {tiles}")
     layout = hopper.Layout.NT if transpose_b else hopper.Layout.NN
     if hopper.serves(layout, GPU_SWEEP_ROWS, reference.shape[1], dtype):
