@@ -199,7 +199,7 @@ def test_ladder_dispatch_rule():
   is a ladder tile at one of its stage counts, float32 the same tile with fewer
   stages if needed to fit shared memory, and up to 64 rows one row of tiles."""
   launch = lambda t: (t.block_m, t.block_n, t.num_warps, t.num_stages)
-  configs = {launch(c) for c in _gpu_ladder_configs()}
+  configs = {launch(config) for config in _gpu_ladder_configs()}
   for m in (1, 5, 16, 17, 64, 65, 128, 256, 1000, 4096):
     for n in (1, 100, 1000, 4096, 12288, 32000):
       half = kernels.matmul_tiles(m, n, 2, interpret=False)
@@ -213,9 +213,9 @@ def test_ladder_dispatch_rule():
 
 def _gpu_ladder_configs():
   """Every ladder tile, with its usual stage count and its one-wave stage count."""
-  return [stages for tiles in kernels.GPU_MATMUL_LADDER
-          for stages in (tiles, dataclasses.replace(tiles, num_stages=tiles.one_wave_stages))
-          if stages.num_stages]
+  return [config for tiles in kernels.GPU_MATMUL_LADDER
+          for config in (tiles, dataclasses.replace(tiles, num_stages=tiles.one_wave_stages))
+          if config.num_stages]
 
 
 def _gpu_kernels_forward_and_da(k, n, dtype=jnp.bfloat16):
