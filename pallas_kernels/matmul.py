@@ -52,12 +52,12 @@ class MatmulTiles:
   one_wave_stages: int | None = None
 
 
-# Forward / dA tiles on the GPU, largest first. Up to 64 rows the dispatcher
-# keeps to the smallest block_m that holds every row (one row of tiles, so B
-# streams from memory once); above, it considers them all. It takes the first
-# tile whose grid has at least GPU_MIN_PROGRAMS programs (about one wave on the
-# H100's 132 SMs), else the last candidate, and gives it ``one_wave_stages``
-# when the grid is a single wave. Only tile shape and launch parameters change
+# Forward / dA tiles on the GPU, largest first. Up to GPU_ONE_ROW_OF_TILES rows
+# the dispatcher keeps to the smallest block_m that holds every row (one row of
+# tiles, so B streams from memory once); above, it considers them all. It takes
+# the first tile whose grid has at least GPU_MIN_PROGRAMS programs (about one
+# wave on the H100's 132 SMs), else the last candidate, and gives it
+# ``one_wave_stages`` when the grid is a single wave. Only tile shape and launch parameters change
 # with M and N; BLOCK_K and the K order never do. Every tile and stage count
 # below gave the same bits as every other in the H100 sweeps
 # (benchmarks/tune_matmul.py, 2026-11-22, jax 0.11.2, bf16, CUPTI kernel time;
@@ -90,6 +90,7 @@ GPU_MATMUL_LADDER: tuple[MatmulTiles, ...] = (
 )
 GPU_MIN_PROGRAMS = 128
 GPU_ONE_WAVE = 132  # the H100's SM count
+GPU_ONE_ROW_OF_TILES = 64  # up to this many rows, one row of tiles holds them all
 
 # dB = Aᵀ @ D tiles on the GPU: the output is [K, N], so they never depend on the
 # row count. (128, 256, 8, 3) was the fastest of (128, 256), (128, 128), (64, 256)
@@ -122,7 +123,7 @@ def matmul_tiles(m: int, n: int, itemsize: int, *, interpret: bool) -> MatmulTil
   if interpret:
     return INTERPRET_TILES
   candidates = GPU_MATMUL_LADDER
-  if m <= max(t.block_m for t in candidates if t.block_m <= 64):
+  if m <= GPU_ONE_ROW_OF_TILES:
     rows = min(t.block_m for t in candidates if t.block_m >= m)
     candidates = tuple(t for t in candidates if t.block_m == rows)
 

@@ -198,17 +198,18 @@ def test_ladder_dispatch_rule():
   """The GPU ladder rule (pure Python, so it runs anywhere): every 16-bit choice
   is a ladder tile at one of its stage counts, float32 the same tile with fewer
   stages if needed to fit shared memory, and up to 64 rows one row of tiles."""
-  launch = lambda t: (t.block_m, t.block_n, t.num_warps, t.num_stages)
-  configs = {launch(config) for config in _gpu_ladder_configs()}
+  launch_params = lambda t: (t.block_m, t.block_n, t.num_warps, t.num_stages)
+  configs = {launch_params(config) for config in _gpu_ladder_configs()}
   for m in (1, 5, 16, 17, 64, 65, 128, 256, 1000, 4096):
     for n in (1, 100, 1000, 4096, 12288, 32000):
       half = kernels.matmul_tiles(m, n, 2, interpret=False)
       single = kernels.matmul_tiles(m, n, 4, interpret=False)
-      assert launch(half) in configs, (m, n, half)
-      assert launch(single)[:3] == launch(half)[:3] and single.num_stages <= half.num_stages
+      assert launch_params(half) in configs, (m, n, half)
+      assert (launch_params(single)[:3] == launch_params(half)[:3]
+              and single.num_stages <= half.num_stages)
       stage_bytes = (single.block_m + single.block_n) * kernels.BLOCK_K * 4
       assert stage_bytes * single.num_stages <= kernels.GPU_SHARED_MEMORY_BYTES
-      assert m > 64 or half.block_m >= m, (m, n, half)
+      assert m > kernels.GPU_ONE_ROW_OF_TILES or half.block_m >= m, (m, n, half)
 
 
 def _gpu_ladder_configs():
