@@ -57,11 +57,12 @@ class MatmulTiles:
 # tiles, so B streams from memory once); above, it considers them all. It takes
 # the first tile whose grid has at least GPU_MIN_PROGRAMS programs (about one
 # wave on the H100's 132 SMs), else the last candidate, and gives it
-# ``one_wave_stages`` when the grid is a single wave. Only tile shape and launch parameters change
-# with M and N; BLOCK_K and the K order never do. Every tile and stage count
-# below gave the same bits as every other in the H100 sweeps
-# (benchmarks/tune_matmul.py, 2026-11-22, jax 0.11.2, bf16, CUPTI kernel time;
-# tables in benchmarks/results/h100.md). What they showed, as XLA time / jdet time:
+# ``one_wave_stages`` when the grid is a single wave. Only tile shape and
+# launch parameters change with M and N; BLOCK_K and the K order never do.
+# Every tile and stage count below gave the same bits as every other in the
+# H100 sweeps (benchmarks/tune_matmul.py, 2026-11-22, jax 0.11.2, bf16, CUPTI
+# kernel time; tables in benchmarks/results/h100.md). What they showed, as XLA
+# time / jdet time:
 #   (128, 256, 8 warps, 3 stages): M >= 1024: 0.82-0.94; the best large-M tile.
 #   (128, 128, 8, 3): M = 256, N = 14336: 0.86 (vs 0.90 for 128 x 256); 5
 #     stages at M = 256 with a 4096-column result (64 programs): 0.58-0.87
