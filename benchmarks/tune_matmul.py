@@ -3,8 +3,10 @@
 Writes nothing: its printed tables are the measurement behind the tile tables in
 ``pallas_kernels/matmul.py`` (Triton ladder) and ``pallas_kernels/hopper_matmul.py``.
 Run: ``PYTHONPATH=. python3 benchmarks/tune_matmul.py [--m 1 16 64 256]
-[--hopper-m 1024 4096]``; ``--hopper-m`` sweeps only the Hopper kernel's configs
-(forward, dA, dB) at those M; ``--at-b`` the Triton dB kernel's tiles.
+[--hopper-m 1024 4096] [--row-tiles-m 200 448]``; ``--hopper-m`` sweeps only
+the Hopper kernel's strip configs (forward, dA, dB) at those M;
+``--row-tiles-m`` its forward/dA tiles against the dispatcher's pick;
+``--at-b`` the Triton dB kernel's tiles.
 """
 
 from __future__ import annotations
@@ -88,6 +90,36 @@ def hopper_sweep(m_values):
               f"({xla / triton_us:.2f}x) | " + " | ".join(cells) + " |", flush=True)
 
 
+def row_tile_sweep(m_values):
+  """Forward and dA at each M: XLA, the dispatcher's pick (a Hopper tile or the
+  Triton ladder's) and every Hopper forward/dA tile (XLA time / kernel time;
+  bits against the pick)."""
+  name = lambda t: f"{t.block_m}x{2 * t.block_n}"
+  print(f"# Hopper forward/dA tile sweep on {harness.device_description()}")
+  print("| pass | M | K | N | XLA us | pick | "
+        + " | ".join(name(t) for t, _ in hopper.ROW_TILES) + " |")
+  print("|---" * (6 + len(hopper.ROW_TILES)) + "|")
+  for m in m_values:
+    for k, n in HOPPER_KN:
+      for pass_, xla_fn, triton_fn, layout, args in _hopper_passes(m, k, n)[:2]:
+        cols = n if layout is hopper.Layout.NN else k
+        pick = hopper.tiles_for(layout, m, cols, jnp.bfloat16)
+        pick_fn = (functools.partial(hopper.matmul, layout=layout, out_dtype=jnp.bfloat16,
+                                     tiles=pick) if pick else triton_fn)
+        xla = harness.time_us(xla_fn, args)
+        reference = np.asarray(pick_fn(*args[0])).view(np.uint16)
+        pick_name = name(pick) if pick else "Triton ladder"
+        cells = []
+        for tiles, _ in hopper.ROW_TILES:
+          fn = functools.partial(hopper.matmul, layout=layout, out_dtype=jnp.bfloat16,
+                                 tiles=tiles)
+          same = np.array_equal(np.asarray(fn(*args[0])).view(np.uint16), reference)
+          cells.append(f"{xla / harness.time_us(fn, args):.2f}{'' if same else ' BITS DIFFER'}")
+        pick_speed = xla / harness.time_us(pick_fn, args)
+        print(f"| {pass_} | {m} | {k} | {n} | {xla:.1f} | {pick_name} {pick_speed:.2f} | "
+              + " | ".join(cells) + " |", flush=True)
+
+
 def ladder_sweep(m_values):
   """Forward and dA at each M: XLA, the tile the ladder picks, and every
   candidate of LADDER_CANDIDATES (XLA time / kernel time; bits against the pick)."""
@@ -143,11 +175,15 @@ def main():
                       choices=sorted(LADDER_CANDIDATES), help="ladder sweep at these M")
   parser.add_argument("--hopper-m", type=int, nargs="+",
                       help="sweep the Hopper kernel's configs at these M instead")
+  parser.add_argument("--row-tiles-m", type=int, nargs="+",
+                      help="sweep the Hopper kernel's forward/dA tiles at these M instead")
   parser.add_argument("--at-b", action="store_true",
                       help="sweep the Triton dB kernel's tiles at M = 1024 instead")
   args = parser.parse_args()
   if args.hopper_m:
     hopper_sweep(args.hopper_m)
+  elif args.row_tiles_m:
+    row_tile_sweep(args.row_tiles_m)
   elif args.at_b:
     at_b_sweep()
   else:

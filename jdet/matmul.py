@@ -42,8 +42,9 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None,
       IEEE float32.
     preferred_element_type: output dtype; defaults to ``jnp.result_type(a, b)``.
     interpret: ``None`` picks by platform (native on GPU, interpret on CPU). On an
-      H100 the large bf16/f16 GEMMs (forward, dA, dB) run on a Mosaic GPU kernel, the
-      rest on Triton; both keep the contract below and give the same bits.
+      H100, bf16/f16 GEMMs whose sizes suit TMA run on a Mosaic GPU kernel (dB always,
+      the forward and dA above 128 rows), the rest on Triton; both keep the contract
+      below and give the same bits.
     backend: ``"pallas"`` (default) runs the Pallas kernels; ``"triton"`` runs
       the same GEMM written in Triton, launched by jax-triton (NVIDIA GPU only;
       install with ``pip install 'jdet[triton]'``). Both keep the contract below;
@@ -110,12 +111,13 @@ def _interpret_for(backend: str, interpret, a, b) -> bool:
   return False
 
 
-def _on_hopper(config: _GemmConfig, layout, a, b, rows: int, cols: int) -> bool:
-  """Whether this [G, rows, cols] GEMM runs on the Mosaic GPU kernel: the Pallas
-  backend on an H100, one problem (G = 1), a size the kernel serves."""
-  return (config.backend == "pallas" and not config.interpret
-          and a.shape[0] == 1 and b.shape[0] == 1
-          and hopper.serves(layout, rows, cols, a.dtype))
+def _hopper_tiles(config: _GemmConfig, layout, a, b, rows: int, cols: int):
+  """The Mosaic GPU kernel's tiles for this [G, rows, cols] GEMM, or None where it
+  runs on the Triton kernels: it needs the Pallas backend on an H100, one problem
+  (G = 1) and a size the kernel serves."""
+  if config.backend != "pallas" or config.interpret or a.shape[0] != 1 or b.shape[0] != 1:
+    return None
+  return hopper.tiles_for(layout, rows, cols, a.dtype)
 
 
 def _launch_matmul(config: _GemmConfig, a, b, *, transpose_b, out_dtype):
@@ -123,8 +125,10 @@ def _launch_matmul(config: _GemmConfig, a, b, *, transpose_b, out_dtype):
   m = a.shape[1]
   n = b.shape[1] if transpose_b else b.shape[2]
   layout = hopper.Layout.NT if transpose_b else hopper.Layout.NN
-  if _on_hopper(config, layout, a, b, m, n):
-    return hopper.matmul(a[0], b[0], layout=layout, out_dtype=out_dtype)[None]
+  hopper_tiles = _hopper_tiles(config, layout, a, b, m, n)
+  if hopper_tiles:
+    return hopper.matmul(a[0], b[0], layout=layout, out_dtype=out_dtype,
+                         tiles=hopper_tiles)[None]
   tiles = kernels.matmul_tiles(m, n, a.dtype.itemsize, interpret=config.interpret)
   if config.backend == "triton":
     return _triton_backend.matmul(a, b, transpose_b=transpose_b, out_dtype=out_dtype,
@@ -136,8 +140,10 @@ def _launch_matmul(config: _GemmConfig, a, b, *, transpose_b, out_dtype):
 def _launch_at_b(config: _GemmConfig, a, d, *, out_dtype):
   """``aᵀ @ d``: a: [G, Rp, K]; d: [G, Rp, N]."""
   k, n = a.shape[2], d.shape[2]
-  if _on_hopper(config, hopper.Layout.TN, a, d, k, n):
-    return hopper.matmul(a[0], d[0], layout=hopper.Layout.TN, out_dtype=out_dtype)[None]
+  hopper_tiles = _hopper_tiles(config, hopper.Layout.TN, a, d, k, n)
+  if hopper_tiles:
+    return hopper.matmul(a[0], d[0], layout=hopper.Layout.TN, out_dtype=out_dtype,
+                         tiles=hopper_tiles)[None]
   tiles = kernels.at_b_tiles(k, n, a.dtype.itemsize, interpret=config.interpret)
   if config.backend == "triton":
     return _triton_backend.matmul_at_b(a, d, out_dtype=out_dtype, precision=config.precision,

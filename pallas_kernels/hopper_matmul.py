@@ -55,7 +55,8 @@ class HopperTiles:
   strip_width: int = 8
 
 
-# One config for every layout and shape, chosen on the H100 by
+# The strip order, stages and the 128 x 256 tile (dB's, and the forward/dA
+# tile for large results) were chosen on the H100 by
 # `benchmarks/tune_matmul.py --hopper-m 1024 4096` (jax 0.11.2, bf16, CUPTI
 # kernel time, the K x N of benchmarks/bench_matmul.py, forward, dA and dB; the
 # tables are in benchmarks/results/h100.md). As XLA time / this kernel's:
@@ -64,19 +65,35 @@ class HopperTiles:
 #   strips one row-tile wide: down to 0.51 at M = 1024, N = 32000 (B streams
 #   from HBM once per row of tiles); one column wide: 0.86-0.98 at M = 16384
 #   (A streams once per column); 16 columns wide: 0.65-1.02;
-#   a 64 x 256 program tile (first sweep, M = 256 and 1024): 0.27-0.85;
 #   issuing a step's wgmma before the last one finished: at most 0.01 faster,
 #   and its launch failed when the contraction is a single step.
 TILES = HopperTiles()
 
-# The forward and dA go through this kernel only when the result has at least
-# MIN_TILES tiles of 128 x 256, and at least MIN_ROW_TILES rows of them; below
-# that the Triton ladder's smaller tiles fill the SMs better. Measured as XLA
-# time / kernel time: at M = 256, 96 tiles (N = 12288) 0.91 here vs 0.75 for
-# the ladder, 32 tiles (N = 4096) 0.54 here vs 0.93; at M = 1 and 16 with
-# N = 32000 (125 tiles in one row) 0.89-0.91 here vs 0.97-0.98 for the ladder.
-MIN_TILES = 96
-MIN_ROW_TILES = 2
+# Forward/dA program tiles (block_m x 2 block_n results), each with its
+# throughput per SM relative to the 128 x 128 one. A result of rows x cols
+# takes the tile with the least estimated time, waves x tile area /
+# throughput, where waves = ceil(programs / SMs): with a fixed K order no
+# program may take part of another's contraction (no split-K), so the choice
+# is about filling the last wave. Measured on the H100 (jax 0.11.2, bf16, CUPTI
+# kernel time, the ten forward and dA GEMMs of the benchmark's K x N; scratch
+# sweeps and `tune_matmul.py --row-tiles-m`, tables in
+# benchmarks/results/h100.md): at M = 512 with a 4096-column result (one wave
+# each) 128 x 128 ran 0.97-1.00 of XLA, 64 x 256 0.87-0.92 and 64 x 128 (two
+# waves) 0.56-0.82; at M = 1536, 128 x 256 (two waves) 0.82-0.83 against
+# 0.95-0.96 for 128 x 128 (three). Over M = 192-1536 (99 GEMMs) the rule
+# picked the fastest tile, or one within 0.05 of it, in 91. The other 8 (M =
+# 200, 320, 448) pick a tile whose last row of tiles is partly filled, which
+# ran up to 0.18 slower than a fully filled alternative with long contractions.
+ROW_TILES: tuple[tuple[HopperTiles, float], ...] = (
+    (TILES, 1.15),
+    (HopperTiles(128, 64, stages=6), 1.00),
+    (HopperTiles(64, 128, stages=4), 0.90),
+    (HopperTiles(64, 64, stages=8), 0.75),
+)
+# Up to this many rows the forward and dA run on the Triton ladder, which was
+# faster at M = 128 in 8 of the 10 benchmark GEMMs (0.96-1.26 of XLA, against
+# 0.92-1.21 for the 64 x 128 tile here; one tie).
+LADDER_ROWS = 128
 
 EPILOGUE_TILE = 64
 
@@ -101,21 +118,32 @@ def available(dtype) -> bool:
   return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
 
 
-def serves(layout: Layout, rows: int, cols: int, dtype) -> bool:
-  """Whether the dispatcher sends an unbatched [rows, cols] GEMM in ``layout`` here.
+def row_tiles(rows: int, cols: int, num_sms: int) -> HopperTiles:
+  """The ROW_TILES entry with the least estimated time for a rows x cols result."""
+  def estimated_time(entry):
+    tiles, throughput = entry
+    programs = cdiv(rows, tiles.block_m) * cdiv(cols, 2 * tiles.block_n)
+    return cdiv(programs, num_sms) * tiles.block_m * 2 * tiles.block_n / throughput
+  return min(ROW_TILES, key=estimated_time)[0]
+
+
+def tiles_for(layout: Layout, rows: int, cols: int, dtype) -> HopperTiles | None:
+  """The tiles for an unbatched [rows, cols] GEMM in ``layout``, or None where
+  the dispatcher sends it to the Triton kernels.
 
   TMA's swizzled tiles need every operand's minor dimension and the result's
   columns to be multiples of 64 (rows are padded to 8 by :func:`matmul`). For
-  the forward and dA, rows is the token count, so the choice depends on it only
-  through the tile count, as the Triton ladder's does; both give the same bits.
-  dB's rows and cols are K and N: its choice never sees the token count.
+  the forward and dA, rows is the token count, so it picks only the tile and
+  whether this kernel or the Triton ladder runs; all give the same bits. dB's
+  rows and cols are K and N: its choice never sees the token count.
   """
   if not available(dtype) or cols % 64:
-    return False
+    return None
   if layout is Layout.TN:
-    return rows % 64 == 0
-  row_tiles = cdiv(rows, TILES.block_m)
-  return row_tiles >= MIN_ROW_TILES and row_tiles * cdiv(cols, 2 * TILES.block_n) >= MIN_TILES
+    return TILES if rows % 64 == 0 else None
+  if rows <= LADDER_ROWS:
+    return None
+  return row_tiles(rows, cols, jax.devices()[0].core_count)
 
 
 def _plgpu():
@@ -212,14 +240,15 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "out_dtype", "tiles"))
-def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles = TILES):
+def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
   """One GEMM in ``layout`` on an sm_90 GPU; returns [rows, cols] in ``out_dtype``.
 
   lhs: [rows, Kp] (NN, NT) or [Kp, rows] (TN); rhs: [Kp, cols] (NN, TN) or
   [cols, Kp] (NT). Kp is a multiple of BLOCK_K; both operands share a 16-bit
-  dtype; see :func:`serves` for the sizes TMA takes. Under ``vmap`` a shared
-  rhs folds the batch into rows; otherwise the batch runs through the Triton
-  kernels of :mod:`pallas_kernels.matmul`, which give the same bits.
+  dtype; :func:`tiles_for` gives the sizes TMA takes and the tiles. Under
+  ``vmap`` a shared rhs folds the batch into rows (and re-picks the tiles);
+  otherwise the batch runs through the Triton kernels of
+  :mod:`pallas_kernels.matmul`, which give the same bits.
   """
   kp, rows = lhs.shape if layout is Layout.TN else lhs.shape[::-1]
   if kp % BLOCK_K:
@@ -264,8 +293,10 @@ def _vmap_rule(axis_size, in_batched, lhs, rhs, *, layout: Layout, out_dtype,
   lhs_batched, rhs_batched = in_batched
   if layout is not Layout.TN and not rhs_batched:
     rows = lhs.shape[1]
-    out = matmul(lhs.reshape(-1, lhs.shape[2]), rhs, layout=layout, out_dtype=out_dtype,
-                 tiles=tiles)
+    folded = lhs.reshape(-1, lhs.shape[2])
+    cols = rhs.shape[0] if layout is Layout.NT else rhs.shape[1]
+    out = matmul(folded, rhs, layout=layout, out_dtype=out_dtype,
+                 tiles=tiles_for(layout, folded.shape[0], cols, lhs.dtype))
     return out.reshape(axis_size, rows, -1), True
   if not lhs_batched:
     lhs = jnp.broadcast_to(lhs, (axis_size, *lhs.shape))

@@ -212,6 +212,22 @@ def test_ladder_dispatch_rule():
       assert m > kernels.GPU_ONE_ROW_OF_TILES or half.block_m >= m, (m, n, half)
 
 
+def test_hopper_row_tile_rule():
+  """The Mosaic kernel's forward/dA tile rule (pure Python, 132 SMs): the picks
+  the H100 sweeps found fastest, and one row of Triton tiles below 129 rows."""
+  pick = lambda rows, cols: hopper.row_tiles(rows, cols, num_sms=132)
+  big, square, wide, small = (tiles for tiles, _ in hopper.ROW_TILES)
+  assert pick(192, 4096) == pick(256, 4096) == small    # 96 / 128 programs of 64 x 128
+  assert pick(384, 4096) == pick(512, 4096) == square   # 96 / 128 programs of 128 x 128
+  assert pick(320, 12288) == wide                       # 240 programs of 64 x 256
+  assert pick(256, 12288) == pick(512, 32000) == pick(16384, 4096) == big
+  for rows in (1, 64, hopper.LADDER_ROWS):
+    assert hopper.tiles_for(hopper.Layout.NN, rows, 4096, jnp.bfloat16) is None
+  for rows in (129, 4096):
+    assert hopper.tiles_for(hopper.Layout.NN, rows, 4096, jnp.bfloat16) == (
+        pick(rows, 4096) if hopper.available(jnp.bfloat16) else None)
+
+
 def _gpu_ladder_configs():
   """Every ladder tile, with its usual stage count and its one-wave stage count."""
   return [config for tiles in kernels.GPU_MATMUL_LADDER
@@ -222,7 +238,7 @@ def _gpu_ladder_configs():
 def _gpu_kernels_forward_and_da(k, n, dtype=jnp.bfloat16):
   """Full-size forward and dA from every kernel the dispatcher can pick: each
   Triton ladder tile at each of its stage counts and, where it can serve the
-  shape, the Hopper kernel.
+  shape, the Hopper kernel with each of its forward/dA tiles.
   Asserts they all agree and returns (a, b, g, forward, dA)."""
   rng = np.random.default_rng(5)
   a = _normal(rng, (GPU_SWEEP_ROWS, k), dtype)
@@ -240,9 +256,10 @@ def _gpu_kernels_forward_and_da(k, n, dtype=jnp.bfloat16):
     for tiles in configs[1:]:
       assert_bitwise_equal(launch(tiles=tiles)[0], reference, what=f"{name}, tiles {tiles}")
     layout = hopper.Layout.NT if transpose_b else hopper.Layout.NN
-    if hopper.serves(layout, GPU_SWEEP_ROWS, reference.shape[1], dtype):
-      got = hopper.matmul(lhs, rhs, layout=layout, out_dtype=dtype)
-      assert_bitwise_equal(got, reference, what=f"{name}, Hopper kernel vs Triton")
+    if hopper.tiles_for(layout, GPU_SWEEP_ROWS, reference.shape[1], dtype):
+      for tiles, _ in hopper.ROW_TILES:
+        got = hopper.matmul(lhs, rhs, layout=layout, out_dtype=dtype, tiles=tiles)
+        assert_bitwise_equal(got, reference, what=f"{name}, Hopper kernel {tiles} vs Triton")
     results[name] = reference
   return a, b, g, results["forward"], results["dA"]
 
@@ -251,7 +268,7 @@ def _dispatch_changes(rows_limit: int, cols: int, layout) -> set[int]:
   """Every M where the forward/dA dispatch (Triton tile or Hopper kernel) changes."""
   def choice(m):
     return (kernels.matmul_tiles(m, cols, 2, interpret=False),
-            hopper.serves(layout, m, cols, jnp.bfloat16))
+            hopper.tiles_for(layout, m, cols, jnp.bfloat16))
   return {m for m in range(2, rows_limit + 1) if choice(m) != choice(m - 1)}
 
 
@@ -306,7 +323,7 @@ def test_gpu_hopper_kernel_under_vmap_and_other_dtypes():
   k, n = 1024, 3072
   a3, b3 = _normal(rng, (3, 1100, k), jnp.bfloat16), _normal(rng, (3, k, n), jnp.bfloat16)
   g3 = _normal(rng, (3, 1100, n), jnp.bfloat16)
-  assert hopper.serves(hopper.Layout.NN, 1100, n, jnp.bfloat16)
+  assert hopper.tiles_for(hopper.Layout.NN, 1100, n, jnp.bfloat16)
   shared = jax.jit(jax.vmap(jdet.matmul, in_axes=(0, None)))(a3, b3[0])
   batched = jax.jit(jax.vmap(jdet.matmul))(a3, b3)
   per_example = jax.jit(jax.vmap(mm_grads, in_axes=(0, None, 0)))(a3, b3[0], g3)
