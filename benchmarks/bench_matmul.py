@@ -19,7 +19,7 @@ import jdet
 from benchmarks import harness
 from jdet.matmul import BACKENDS as MATMUL_BACKENDS
 
-M_VALUES = (1, 16, 64, 256, 1024, 4096, 16384)
+M_VALUES = (1, 16, 64, 256, 512, 1024, 4096, 16384)
 KN_VALUES = ((4096, 4096), (4096, 12288), (4096, 14336), (14336, 4096), (4096, 32000))
 CASES = tuple(itertools.product(M_VALUES, KN_VALUES))
 QUICK_CASES = ((1, (64, 128)), (40, (64, 128)))  # CPU interpret: shapes that finish
