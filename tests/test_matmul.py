@@ -214,7 +214,7 @@ def test_ladder_dispatch_rule():
 
 def test_hopper_row_tile_rule():
   """The Mosaic kernel's forward/dA tile rule (pure Python, 132 SMs): the picks
-  the H100 sweeps found fastest, and one row of Triton tiles below 129 rows."""
+  the H100 sweeps found fastest; up to LADDER_ROWS rows the Triton ladder runs."""
   pick = lambda rows, cols: hopper.row_tiles(rows, cols, num_sms=132)
   big, square, wide, small = (tiles for tiles, _ in hopper.ROW_TILES)
   assert pick(192, 4096) == pick(256, 4096) == small    # 96 / 128 programs of 64 x 128
