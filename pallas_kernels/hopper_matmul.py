@@ -82,8 +82,8 @@ TILES = HopperTiles()
 # waves) 0.56-0.82; at M = 1536, 128 x 256 (two waves) 0.82-0.83 against
 # 0.95-0.96 for 128 x 128 (three). Over M = 192-1536 (99 GEMMs) the rule
 # picked the fastest tile, or one within 0.05 of it, in 91. The other 8 (M =
-# 200, 320, 448) pick a tile whose last row of tiles is partly filled, which
-# ran up to 0.18 slower than a fully filled alternative with long contractions.
+# 200, 320, 448; long contractions) pick a tile whose last row of tiles is
+# partly filled, and ran up to 0.18 below the fastest tile.
 ROW_TILES: tuple[tuple[HopperTiles, float], ...] = (
     (TILES, 1.15),
     (HopperTiles(128, 64, stages=6), 1.00),
