@@ -65,6 +65,13 @@ def _hopper_passes(m, k, n):
   )
 
 
+def _time_hopper(layout, tiles, args, reference):
+  """(microseconds, whether the bits equal ``reference``) of one Hopper config."""
+  fn = functools.partial(hopper.matmul, layout=layout, out_dtype=jnp.bfloat16, tiles=tiles)
+  same = np.array_equal(np.asarray(fn(*args[0])).view(np.uint16), reference)
+  return harness.time_us(fn, args), same
+
+
 def hopper_sweep(m_values):
   """XLA, the Triton kernel the ladder picks, and each Hopper candidate: time
   (XLA/kernel) and whether the candidate's bits equal the Triton kernel's."""
@@ -81,10 +88,7 @@ def hopper_sweep(m_values):
         reference = np.asarray(triton_fn(*args[0])).view(np.uint16)
         cells = []
         for tiles in HOPPER_CANDIDATES:
-          fn = functools.partial(hopper.matmul, layout=layout, out_dtype=jnp.bfloat16,
-                                 tiles=tiles)
-          same = np.array_equal(np.asarray(fn(*args[0])).view(np.uint16), reference)
-          us = harness.time_us(fn, args)
+          us, same = _time_hopper(layout, tiles, args, reference)
           cells.append(f"{us:.1f} ({xla / us:.2f}x){'' if same else ' BITS DIFFER'}")
         print(f"| {pass_} | {m} | {k} | {n} | {xla:.1f} | {triton_us:.1f} "
               f"({xla / triton_us:.2f}x) | " + " | ".join(cells) + " |", flush=True)
@@ -108,15 +112,14 @@ def row_tile_sweep(m_values):
                                      tiles=pick) if pick else triton_fn)
         xla = harness.time_us(xla_fn, args)
         reference = np.asarray(pick_fn(*args[0])).view(np.uint16)
-        pick_name = name(pick) if pick else "Triton ladder"
+        times = {}
         cells = []
         for tiles, _ in hopper.ROW_TILES:
-          fn = functools.partial(hopper.matmul, layout=layout, out_dtype=jnp.bfloat16,
-                                 tiles=tiles)
-          same = np.array_equal(np.asarray(fn(*args[0])).view(np.uint16), reference)
-          cells.append(f"{xla / harness.time_us(fn, args):.2f}{'' if same else ' BITS DIFFER'}")
-        pick_speed = xla / harness.time_us(pick_fn, args)
-        print(f"| {pass_} | {m} | {k} | {n} | {xla:.1f} | {pick_name} {pick_speed:.2f} | "
+          times[tiles], same = _time_hopper(layout, tiles, args, reference)
+          cells.append(f"{xla / times[tiles]:.2f}{'' if same else ' BITS DIFFER'}")
+        pick_us = times[pick] if pick else harness.time_us(pick_fn, args)
+        pick_name = name(pick) if pick else "Triton ladder"
+        print(f"| {pass_} | {m} | {k} | {n} | {xla:.1f} | {pick_name} {xla / pick_us:.2f} | "
               + " | ".join(cells) + " |", flush=True)
 
 

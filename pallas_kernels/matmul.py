@@ -14,7 +14,8 @@ Kernels:
   * :func:`matmul_at_b_kernel` - ``C[g] = A[g]ᵀ @ D[g]``, reduced over rows in
     ``BLOCK_K`` steps (dB): appending rows whose D is zero adds exact zeros.
 
-On an H100, ``jdet.matmul`` sends the large bf16/f16 GEMMs to the Mosaic GPU
+On an H100, ``jdet.matmul`` sends bf16/f16 GEMMs that suit TMA (dB, and the
+forward and dA above ``hopper_matmul.LADDER_ROWS`` rows) to the Mosaic GPU
 kernel of :mod:`pallas_kernels.hopper_matmul` instead; it keeps this contract.
 """
 
