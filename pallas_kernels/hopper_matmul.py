@@ -11,7 +11,9 @@ on the GPU across every boundary).
 
 One program per SM walks the output tiles (a persistent grid). Each program
 has a TMA producer warpgroup and two consumer warpgroups, each owning half of a
-``block_m x 2 block_n`` tile. Edge tiles need no masking: TMA loads outside
+``block_m x 2 block_n`` tile. Where the pipeline depth divides the number of
+contraction steps, the producer runs on into the next tile's loads while the
+consumers store the last one. Edge tiles need no masking: TMA loads outside
 the operand read zeros and stores outside the result are dropped. Only 16-bit
 operands (bfloat16, float16); the contraction must be a multiple of 64.
 """
@@ -43,16 +45,19 @@ class Layout(enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class HopperTiles:
-  """A program's output tile is ``block_m x 2 block_n`` (one half per consumer
-  warpgroup); ``stages`` TMA loads run ahead. Programs take the tiles in strips
-  ``strip_width`` tiles wide across ``strip_dim`` (0: rows of tiles, 1: columns),
-  the index across the strip changing fastest, every other strip walked
-  backwards (L2 reuse). None of it changes the sums."""
+  """A program's output tile is ``block_m x 2 block_n``, one half per consumer
+  warpgroup: ``block_m x block_n`` side by side, or with ``split_rows`` (for
+  ``block_m`` = 128) ``block_m / 2 x 2 block_n`` one above the other, sharing
+  the rhs block. ``stages`` TMA loads run ahead. Programs take the tiles in
+  strips ``strip_width`` tiles wide across ``strip_dim`` (0: rows of tiles, 1:
+  columns), the index across the strip changing fastest, every other strip
+  walked backwards (L2 reuse). None of it changes the sums."""
   block_m: int = 128
   block_n: int = 128
   stages: int = 4
   strip_dim: int = 0
   strip_width: int = 8
+  split_rows: bool = False
 
 
 # The strip order, stages and the 128 x 256 tile (dB's, and the forward/dA
@@ -67,7 +72,12 @@ class HopperTiles:
 #   (A streams once per column); 16 columns wide: 0.65-1.02;
 #   issuing a step's wgmma before the last one finished: at most 0.01 faster,
 #   and its launch failed when the contraction is a single step.
-TILES = HopperTiles()
+# Splitting it by rows (each warpgroup one m64n256 wgmma per k16, as in
+# CUTLASS's cooperative kernel) together with the stage ring across tiles took
+# M = 4096 from 0.96-0.98 to 0.98-1.00 forward and 0.97-0.98 to 0.99-1.00 for
+# dB, in one scratch run (the ring alone: 0.97-0.99 forward; both tables in
+# h100.md, eighth session).
+TILES = HopperTiles(split_rows=True)
 
 # Forward/dA program tiles (block_m x 2 block_n results), each with its
 # throughput per SM relative to the 128 x 128 one. A result of rows x cols
@@ -83,9 +93,14 @@ TILES = HopperTiles()
 # 0.95-0.96 for 128 x 128 (three). Over M = 192-1536 (99 GEMMs) the rule
 # picked the fastest tile, or one within 0.05 of it, in 91. The other 8 (M =
 # 200, 320, 448; long contractions) pick a tile whose last row of tiles is
-# partly filled, and ran up to 0.18 below the fastest tile.
+# partly filled, and ran up to 0.18 below the fastest tile. 128 x 192 (rows
+# split; a 96-column half cannot be swizzled) fills 132 SMs where the others
+# leave a wave part empty: at M = 640 it ran 0.88-1.04 where the best other
+# tile ran 0.69-0.90 on 8 of 10 GEMMs, and 0.97-1.01 at M = 1536, where 128 x
+# 128 ran 0.95-0.97; from those rows its throughput is about 1.10.
 ROW_TILES: tuple[tuple[HopperTiles, float], ...] = (
     (TILES, 1.15),
+    (HopperTiles(128, 96, split_rows=True), 1.10),
     (HopperTiles(128, 64, stages=6), 1.00),
     (HopperTiles(64, 128, stages=4), 0.90),
     (HopperTiles(64, 64, stages=8), 0.75),
@@ -181,14 +196,23 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
       (lambda k: (0, k)) if rhs_t else (lambda k: (k, 0)),
       transforms=transforms, memory_space=plgpu.SMEM)
 
-  def pipeline(body, compute_context):
+  stages = min(tiles.stages, k_steps)
+  # One ring of stages across a program's tiles needs every tile to end on the
+  # same slot; elsewhere each tile's pipeline fills and drains on its own.
+  ring_across_tiles = k_steps % stages == 0
+
+  def pipeline(body, compute_context, state=None):
     return plgpu.emit_pipeline_warp_specialized(
         body, grid=(k_steps,), memory_registers=40, in_specs=[lhs_spec, rhs_spec],
-        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=tiles.stages,
-        compute_context=compute_context)
+        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
+        compute_context=compute_context, pipeline_state=state)
 
   ignore = lambda *_, **__: None
   num_m, num_n = cdiv(rows, bm), cdiv(cols, cta_n)
+  if tiles.split_rows:
+    acc_m, acc_n = bm // 2, cta_n
+  else:
+    acc_m, acc_n = bm, bn
 
   @functools.partial(
       pl.run_scoped,
@@ -204,18 +228,21 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
       i, j = plgpu.planar_snake(t, (num_m, num_n), tiles.strip_dim, tiles.strip_width)
       m_slice = pl.ds(i * bm, bm)
       n_slice = pl.ds(j * cta_n, cta_n)
-      wg_n = pl.ds(wg * bn, bn)
+      if tiles.split_rows:
+        wg_rows, wg_cols = pl.ds(wg * acc_m, acc_m), slice(None)
+      else:
+        wg_rows, wg_cols = slice(None), pl.ds(wg * bn, bn)
 
       def compute_context(run_pipeline):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((bm, bn), jnp.float32))
+        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((acc_m, acc_n), jnp.float32))
         def _acc_scope(acc_ref):
           run_pipeline(acc_ref)
           acc = acc_ref[...].astype(out_dtype)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          out_tile = out_gmem.at[m_slice, n_slice].at[:, wg_n]
-          for mi in range(bm // epi_m):
-            for ni in range(bn // epi_n):
-              slot = (mi * (bn // epi_n) + ni) % 2
+          out_tile = out_gmem.at[m_slice, n_slice].at[wg_rows, wg_cols]
+          for mi in range(acc_m // epi_m):
+            for ni in range(acc_n // epi_n):
+              slot = (mi * (acc_n // epi_n) + ni) % 2
               epi = (slice(mi * epi_m, (mi + 1) * epi_m), slice(ni * epi_n, (ni + 1) * epi_n))
               plgpu.wait_smem_to_gmem(1, wait_read_only=True)
               out_smem[wg, slot] = acc[epi]
@@ -223,18 +250,21 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
               plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile.at[epi])
 
       def mma(_, lhs_smem, rhs_smem, acc_ref):
-        lhs = lhs_smem.transpose((1, 0)) if lhs_t else lhs_smem
-        if rhs_t:
-          rhs = rhs_smem.at[wg_n, :].transpose((1, 0))
-        else:
-          rhs = rhs_smem.at[:, wg_n]
+        lhs = lhs_smem.at[:, wg_rows].transpose((1, 0)) if lhs_t else lhs_smem.at[wg_rows, :]
+        rhs = rhs_smem.at[wg_cols, :].transpose((1, 0)) if rhs_t else rhs_smem.at[:, wg_cols]
         plgpu.wgmma(acc_ref, lhs, rhs)
         plgpu.wgmma_wait(0)
         return acc_ref
 
       lhs_tile = lhs_gmem.at[:, m_slice] if lhs_t else lhs_gmem.at[m_slice, :]
       rhs_tile = rhs_gmem.at[n_slice, :] if rhs_t else rhs_gmem.at[:, n_slice]
-      pipeline(mma, compute_context)(lhs_tile, rhs_tile, allocations=pipeline_allocs)
+      # No pipeline follows a program's last tile, so none needs the STOP state
+      # (whose only work is to wait until the last steps are consumed).
+      state = None
+      if ring_across_tiles:
+        state = jnp.where(loop_info.local_index == 0, plgpu.PipelinePipeline.START,
+                          plgpu.PipelinePipeline.STEADY)
+      pipeline(mma, compute_context, state)(lhs_tile, rhs_tile, allocations=pipeline_allocs)
 
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

@@ -216,11 +216,12 @@ def test_hopper_row_tile_rule():
   """The Mosaic kernel's forward/dA tile rule (pure Python, 132 SMs): the picks
   the H100 sweeps found fastest; up to LADDER_ROWS rows the Triton ladder runs."""
   pick = lambda rows, cols: hopper.row_tiles(rows, cols, num_sms=132)
-  big, square, wide, small = (tiles for tiles, _ in hopper.ROW_TILES)
+  big, narrow, square, wide, small = (tiles for tiles, _ in hopper.ROW_TILES)
   assert pick(192, 4096) == pick(256, 4096) == small    # 96 / 128 programs of 64 x 128
   assert pick(384, 4096) == pick(512, 4096) == square   # 96 / 128 programs of 128 x 128
   assert pick(320, 12288) == wide                       # 240 programs of 64 x 256
-  assert pick(256, 12288) == pick(512, 32000) == pick(16384, 4096) == big
+  assert pick(640, 4096) == pick(256, 12288) == narrow  # 110 / 128 programs of 128 x 192
+  assert pick(640, 12288) == pick(512, 32000) == pick(16384, 4096) == big
   for rows in (1, 64, hopper.LADDER_ROWS):
     assert hopper.tiles_for(hopper.Layout.NN, rows, 4096, jnp.bfloat16) is None
   for rows in (129, 4096):
