@@ -95,9 +95,9 @@ TILES = HopperTiles(split_rows=True)
 # 200, 320, 448; long contractions) pick a tile whose last row of tiles is
 # partly filled, and ran up to 0.18 below the fastest tile. 128 x 192 (rows
 # split; a 96-column half cannot be swizzled) fills 132 SMs where the others
-# leave a wave part empty: at M = 640 it ran 0.88-1.04 where the best other
+# leave a wave part empty: at M = 640 it ran 0.87-1.03 where the best other
 # tile ran 0.69-0.90 on 8 of 10 GEMMs, and 0.97-1.01 at M = 1536, where 128 x
-# 128 ran 0.95-0.97; from those rows its throughput is about 1.10.
+# 128 ran 0.73-0.97; from those rows its throughput is about 1.10.
 ROW_TILES: tuple[tuple[HopperTiles, float], ...] = (
     (TILES, 1.15),
     (HopperTiles(128, 96, split_rows=True), 1.10),
