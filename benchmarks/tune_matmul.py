@@ -126,6 +126,7 @@ def row_tile_sweep(m_values):
 def ladder_sweep(m_values):
   """Forward and dA at each M: XLA, the tile the ladder picks, and every
   candidate of LADDER_CANDIDATES (XLA time / kernel time; bits against the pick)."""
+  name = lambda t: f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}"
   print(f"# GEMM tile sweep on {harness.device_description()}")
   print("| pass | M | K | N | XLA us | ladder pick | best | candidates |\n" + "|---" * 8 + "|")
   triton = functools.partial(kernels.matmul, out_dtype=jnp.bfloat16, precision=None,
@@ -148,7 +149,6 @@ def ladder_sweep(m_values):
           same = np.array_equal(np.asarray(fn(*args[0])).view(np.uint16),
                                 reference.view(np.uint16))
           results.append((xla / harness.time_us(fn, args), tiles, same))
-        name = lambda t: f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}"
         best = max(results[1:], key=lambda r: r[0])
         cells = ", ".join(f"{name(t)} {r:.2f}{'' if same else ' BITS DIFFER'}"
                           for r, t, same in results[1:])

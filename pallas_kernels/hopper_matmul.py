@@ -59,6 +59,11 @@ class HopperTiles:
   strip_width: int = 8
   split_rows: bool = False
 
+  def __post_init__(self):
+    if self.split_rows and self.block_m != 128:
+      raise ValueError(f"split_rows needs block_m = 128 (a wgmma takes 64 rows per "
+                       f"warpgroup), got block_m = {self.block_m}")
+
 
 # The strip order, stages and the 128 x 256 tile (dB's, and the forward/dA
 # tile for large results) were chosen on the H100 by

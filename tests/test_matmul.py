@@ -224,6 +224,8 @@ def test_hopper_row_tile_rule():
   assert pick(640, 12288) == pick(512, 32000) == pick(16384, 4096) == big
   for rows in (1, 64, hopper.LADDER_ROWS):
     assert hopper.tiles_for(hopper.Layout.NN, rows, 4096, jnp.bfloat16) is None
+  with pytest.raises(ValueError, match="split_rows needs block_m = 128"):
+    hopper.HopperTiles(64, 128, split_rows=True)
   for rows in (129, 4096):
     assert hopper.tiles_for(hopper.Layout.NN, rows, 4096, jnp.bfloat16) == (
         pick(rows, 4096) if hopper.available(jnp.bfloat16) else None)
