@@ -81,7 +81,12 @@ class HopperTiles:
 # CUTLASS's cooperative kernel) together with the stage ring across tiles took
 # M = 4096 from 0.96-0.98 to 0.98-1.00 forward and 0.97-0.98 to 0.99-1.00 for
 # dB, in one scratch run (the ring alone: 0.97-0.99 forward; both tables in
-# h100.md, eighth session).
+# h100.md, eighth session). Two schedules that would hide the epilogue or cut L2
+# traffic ran no faster at M = 4096 and 16384 (ninth session): a ping-pong
+# kernel, each consumer warpgroup taking whole tiles in turn, ran 0.57-0.96 of
+# XLA with 128 x 128 per warpgroup and 0.81-0.93 with 64 x 256, where this tile
+# ran 0.91-1.06; multicasting B across 2-CTA clusters ran within 0.01 of it
+# at M = 4096.
 TILES = HopperTiles(split_rows=True)
 
 # Forward/dA program tiles (block_m x 2 block_n results), each with its
