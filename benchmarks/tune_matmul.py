@@ -98,7 +98,7 @@ def row_tile_sweep(m_values):
   """Forward and dA at each M: XLA, the dispatcher's pick (a Hopper tile or the
   Triton ladder's) and every Hopper forward/dA tile (XLA time / kernel time;
   bits against the pick)."""
-  name = lambda t: f"{t.block_m}x{2 * t.block_n}"
+  name = lambda t: f"{t.block_m}x{t.block_cols}"
   print(f"# Hopper forward/dA tile sweep on {harness.device_description()}")
   print("| pass | M | K | N | XLA us | pick | "
         + " | ".join(name(t) for t, _ in hopper.ROW_TILES) + " |")

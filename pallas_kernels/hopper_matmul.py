@@ -64,6 +64,15 @@ class HopperTiles:
       raise ValueError(f"split_rows needs block_m = 128 (a wgmma takes 64 rows per "
                        f"warpgroup), got block_m = {self.block_m}")
 
+  @property
+  def block_cols(self) -> int:
+    """Columns of a program's output tile: both warpgroups' halves."""
+    return 2 * self.block_n
+
+  def tile_count(self, rows: int, cols: int) -> int:
+    """Program tiles covering a rows x cols result."""
+    return cdiv(rows, self.block_m) * cdiv(cols, self.block_cols)
+
 
 # The strip order, stages and the 128 x 256 tile (dB's, and the forward/dA
 # tile for large results) were chosen on the H100 by
@@ -103,11 +112,14 @@ TILES = HopperTiles(split_rows=True)
 # 0.95-0.96 for 128 x 128 (three). Over M = 192-1536 (99 GEMMs) the rule
 # picked the fastest tile, or one within 0.05 of it, in 91. The other 8 (M =
 # 200, 320, 448; long contractions) pick a tile whose last row of tiles is
-# partly filled, and ran up to 0.18 below the fastest tile. 128 x 192 (rows
-# split; a 96-column half cannot be swizzled) fills 132 SMs where the others
-# leave a wave part empty: at M = 640 it ran 0.87-1.03 where the best other
-# tile ran 0.69-0.90 on 8 of 10 GEMMs, and 0.97-1.01 at M = 1536, where 128 x
-# 128 ran 0.73-0.97; from those rows its throughput is about 1.10.
+# partly filled, and ran up to 0.18 below the fastest tile. Re-swept with the
+# stage ring (ninth session, M = 200-768, 60 GEMMs): within 0.05 on 56; the
+# other 4 are dA with long contractions at M = 200 and 448 (up to 0.15 below).
+# 128 x 192 (rows split; a 96-column half cannot be swizzled) fills 132 SMs
+# where the others leave a wave part empty: at M = 640 it ran 0.87-1.03 where
+# the best other tile ran 0.69-0.90 on 8 of 10 GEMMs, and 0.97-1.01 at
+# M = 1536, where 128 x 128 ran 0.73-0.97; from those rows its throughput is
+# about 1.10.
 ROW_TILES: tuple[tuple[HopperTiles, float], ...] = (
     (TILES, 1.15),
     (HopperTiles(128, 96, split_rows=True), 1.10),
@@ -128,7 +140,7 @@ def fit_stages(tiles: HopperTiles, itemsize: int, out_itemsize: int) -> HopperTi
 
   bf16 in and out fits 4 stages; a float32 result needs 3.
   """
-  per_stage = (tiles.block_m + 2 * tiles.block_n) * BLOCK_K * itemsize
+  per_stage = (tiles.block_m + tiles.block_cols) * BLOCK_K * itemsize
   epilogue = 4 * EPILOGUE_TILE * EPILOGUE_TILE * out_itemsize
   room = ladder.GPU_SHARED_MEMORY_BYTES - epilogue
   stages = max(1, min(tiles.stages, room // per_stage))
@@ -147,8 +159,8 @@ def row_tiles(rows: int, cols: int, num_sms: int) -> HopperTiles:
   """The ROW_TILES entry with the least estimated time for a rows x cols result."""
   def estimated_time(entry):
     tiles, throughput = entry
-    programs = cdiv(rows, tiles.block_m) * cdiv(cols, 2 * tiles.block_n)
-    return cdiv(programs, num_sms) * tiles.block_m * 2 * tiles.block_n / throughput
+    waves = cdiv(tiles.tile_count(rows, cols), num_sms)
+    return waves * tiles.block_m * tiles.block_cols / throughput
   return min(ROW_TILES, key=estimated_time)[0]
 
 
@@ -187,7 +199,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   plgpu = _plgpu()
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
   bm, bn = tiles.block_m, tiles.block_n
-  cta_n = 2 * bn
+  cta_n = tiles.block_cols
   swizzle = plgpu.find_swizzle(BLOCK_K * dtype.itemsize * 8)
   transforms = (plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
                 plgpu.SwizzleTransform(swizzle))
@@ -314,7 +326,7 @@ def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
   cols = rhs.shape[0] if layout is Layout.NT else rhs.shape[1]
   kernel = functools.partial(_kernel, layout=layout, tiles=tiles, rows=padded_rows,
                              cols=cols, k_steps=kp // BLOCK_K)
-  num_tiles = cdiv(padded_rows, tiles.block_m) * cdiv(cols, 2 * tiles.block_n)
+  num_tiles = tiles.tile_count(padded_rows, cols)
   out = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((padded_rows, cols), out_dtype),
