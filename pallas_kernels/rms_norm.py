@@ -59,11 +59,13 @@ class RmsNormTiles:
 @dataclasses.dataclass(frozen=True)
 class DweightTiles:
   """Columns per program, rows per step, rows per chunk (a multiple of
-  ``row_step``) and Triton warps of the weight-gradient kernels."""
+  ``row_step``), Triton warps and pipeline stages (how many steps' loads are in
+  flight; never the sums) of the weight-gradient kernels."""
   block_cols: int
   row_step: int
   chunk_rows: int
   num_warps: int
+  num_stages: int
 
 
 # GPU rule (not measured yet; written for the H100's memory-bound regime): a row
@@ -77,13 +79,15 @@ GPU_ELEMENTS_PER_WARP = 512
 GPU_MAX_WARPS = 16
 # dw: 128 columns x 64-row steps, 1024-row chunks, so even small H with many rows
 # gives cdiv(H, 128) * cdiv(M, 1024) programs.
-GPU_DWEIGHT_TILES = DweightTiles(block_cols=128, row_step=64, chunk_rows=1024, num_warps=4)
+GPU_DWEIGHT_TILES = DweightTiles(block_cols=128, row_step=64, chunk_rows=1024, num_warps=4,
+                                 num_stages=3)
 
 # Interpret mode (CPU): small chunks and row blocks so that the CPU tests walk
 # rows in several chunks and several row blocks with tiny shapes.
 INTERPRET_MAX_CHUNK = 128
 INTERPRET_BLOCK_ROWS = 8
-INTERPRET_DWEIGHT_TILES = DweightTiles(block_cols=32, row_step=8, chunk_rows=16, num_warps=4)
+INTERPRET_DWEIGHT_TILES = DweightTiles(block_cols=32, row_step=8, chunk_rows=16, num_warps=4,
+                                       num_stages=1)
 
 
 def rms_norm_tiles(h: int, *, interpret: bool) -> RmsNormTiles:
@@ -356,7 +360,7 @@ def rms_norm_dweight(x, rstd, g, *, out_dtype, tiles: DweightTiles, interpret: b
   m, h = x.shape
   bc, rc = tiles.block_cols, tiles.chunk_rows
   col_blocks, chunks = cdiv(h, bc), cdiv(m, rc)
-  params = compiler_params(tiles.num_warps, 1)
+  params = compiler_params(tiles.num_warps, tiles.num_stages)
   partials = pl.pallas_call(
       functools.partial(rms_norm_dweight_partial_kernel, h=h, m=m, row_step=tiles.row_step),
       grid=(col_blocks, chunks),
