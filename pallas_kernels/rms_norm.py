@@ -7,8 +7,8 @@ increasing order. The sum of squares (forward) and the sum of
 [block_rows, chunk] float32 array, chunk after chunk, and that array is reduced
 along its columns once at the end. Rows never mix: a row's bits depend on its
 own data, the weight and the tile, and the tile (:func:`rms_norm_tiles`) is a
-function of H alone, never of the row count. Tail rows and columns are masked
-(read as 0, not stored).
+function of H alone, never of the row count. Rows past M (always masked,
+whatever M) and columns past H are read as 0 and not stored.
 
 Per row, in float32: ``mean = sum(h²) / H``, ``rstd = rsqrt(mean + eps)``,
 ``y = (h * rstd) * w`` rounded to the input dtype, where ``h = x`` or, with a
@@ -126,7 +126,11 @@ def _store_vector(ref, value, mask=None):
 
 
 def _row_mask(block_rows: int, m: int):
-  return block_mask(pl.program_id(0) * block_rows, block_rows, m) if m % block_rows else None
+  """Which rows of the block exist. Always applied, even where M is a multiple of
+  ``block_rows``: a kernel whose code changed with M could round differently
+  (interpret mode showed it: XLA:CPU contracted multiply-adds differently in the
+  masked and unmasked dx kernels)."""
+  return block_mask(pl.program_id(0) * block_rows, block_rows, m)
 
 
 def _chunks(rows, h: int, chunk: int):
