@@ -321,7 +321,8 @@ def _rms_norm_check(full):
   m, h = (4096, 8192) if full else (40, 200)
   x, r = random_normal(20, (m, h), jnp.bfloat16), random_normal(21, (m, h), jnp.bfloat16)
   w = random_normal(22, (h,)) + 1.0
-  sizes = (1, 2, 3, 7, 16, 17, 100, 1000) if full else (1, 2, 3, 7, 16, 17)
+  # Each row count compiles its own interpret-mode program on a CPU: keep few there.
+  sizes = (1, 2, 3, 7, 16, 17, 100, 1000) if full else (1, 7, 17)
   fused = lambda x, r, w: jdet.rms_norm(x, w, residual=r)
   x32, r32 = x.astype(jnp.float32), r.astype(jnp.float32)
   plain_grad = lambda x, w: _row_grad(lambda x: jdet.rms_norm(x, w))(x)
