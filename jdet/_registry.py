@@ -303,9 +303,119 @@ def _tri_inverse_sharding(rng):
 
 
 # ---------------------------------------------------------------------------
+# rms_norm
+
+# (rows, H): decode, prefill and training token counts at common hidden sizes,
+# and a small H that puts many rows in a program.
+RMS_NORM_BENCH = ((1, 4096), (256, 4096), (4096, 4096), (8192, 4096), (8192, 8192),
+                  (16384, 8192), (8192, 16384), (65536, 128))
+RMS_NORM_QUICK = ((8, 96), (40, 200))  # CPU interpret: shapes that finish
+
+
+def _rms_norm_float64(h, w, eps=1e-6):
+  h, w = np.asarray(h, np.float64), np.asarray(w, np.float64)
+  return h / np.sqrt(np.mean(h * h, -1, keepdims=True) + eps) * w
+
+
+def _rms_norm_check(full):
+  m, h = (4096, 8192) if full else (40, 200)
+  x, r = random_normal(20, (m, h), jnp.bfloat16), random_normal(21, (m, h), jnp.bfloat16)
+  w = random_normal(22, (h,)) + 1.0
+  # Each row count compiles its own interpret-mode program on a CPU: keep few there.
+  sizes = (1, 2, 3, 7, 16, 17, 100, 1000) if full else (1, 7, 17)
+  fused = lambda x, r, w: jdet.rms_norm(x, w, residual=r)
+  x32, r32 = x.astype(jnp.float32), r.astype(jnp.float32)
+  plain_grad = lambda x, w: _row_grad(lambda x: jdet.rms_norm(x, w))(x)
+  fused_grads = jax.grad(lambda x, r, w: 0.5 * sum(
+      jnp.sum(out.astype(jnp.float32) ** 2) for out in jdet.rms_norm(x, w, residual=r)),
+                         argnums=(0, 1))
+  reference_grads = jax.grad(lambda x, r, w: 0.5 * sum(
+      jnp.sum(out ** 2) for out in jdet.rms_norm_reference(x, w, residual=r)), argnums=(0, 1))
+  return [
+      Case("rms_norm", f"fwd bf16 [{m},{h}]", jdet.rms_norm, (x, w), (0, None),
+           lambda: relative_error(jdet.rms_norm(x, w), _rms_norm_float64(x, w)), 8e-3, sizes),
+      Case("rms_norm", "fwd fused residual (y, x + residual)", fused, (x, r, w), (0, 0, None),
+           lambda: relative_error(fused(x, r, w)[0], _rms_norm_float64(fused(x, r, w)[1], w)),
+           8e-3, sizes),
+      Case("rms_norm", "dx (grad of sum of squares)", plain_grad, (x32, w), (0, None),
+           lambda: relative_error(plain_grad(x32, w),
+                                  _row_grad(lambda x: jdet.rms_norm_reference(x, w))(x32)),
+           1e-5, sizes),
+      Case("rms_norm", "dx, dresidual of the fused form", fused_grads, (x32, r32, w),
+           (0, 0, None), lambda: max(relative_error(a, b) for a, b in zip(
+               fused_grads(x32, r32, w), reference_grads(x32, r32, w))), 1e-5, sizes),
+  ]
+
+
+def rms_norm_bench_cases(shapes, *, dtype=jnp.bfloat16):
+  """Forward and forward+backward cases for (rows, H) shapes, plain and with the fused
+  residual, against the jitted jnp reference. The HBM floor counts one read of
+  each input and one write of each output (forward), plus one read of the
+  normalised input and of each cotangent and one write of dx (backward)."""
+  cases = []
+  itemsize = jnp.dtype(dtype).itemsize
+  for m, h in shapes:
+    row_bytes = m * h * itemsize
+    for residual in (False, True):
+      arrays = 2 if residual else 1  # inputs (x, residual) = outputs (y, sum) = cotangents
+
+      def make_args(seed, m=m, h=h, residual=residual):
+        x, r, g, g_sum = (random_normal(5 * seed + i, (m, h), dtype) for i in range(4))
+        w = random_normal(5 * seed + 4, (h,)) + 1.0
+        return (x, r, w, (g, g_sum)) if residual else (x, w, g)
+
+      def forward(norm, residual=residual):
+        if residual:
+          return lambda x, r, w: norm(x, w, residual=r)
+        return norm
+
+      forward_bytes = 2 * arrays * row_bytes + h * 4
+      backward_bytes = (2 + arrays) * row_bytes + 2 * h * 4
+      op = "rms_norm[residual]" if residual else "rms_norm"
+      for pass_, wrap, moved in (
+          ("fwd", lambda f, n=arrays + 1: _first_args(f, n), forward_bytes),
+          ("fwd+bwd", _forward_and_backward, forward_bytes + backward_bytes)):
+        cases.append(BenchCase(
+            op, f"M={m} H={h}", pass_, wrap(forward(jdet.rms_norm)), "jit(jnp reference)",
+            wrap(forward(jdet.rms_norm_reference)), make_args, (2 + 2 * arrays) * row_bytes,
+            bytes_moved=moved))
+  return cases
+
+
+def _rms_norm_bench(full):
+  return rms_norm_bench_cases(RMS_NORM_BENCH if full else RMS_NORM_QUICK)
+
+
+def _rms_norm_sweep(rng):
+  total, h = int(rng.integers(1, 50)), int(rng.integers(1, 300))
+  dtype = DTYPES[rng.integers(len(DTYPES))]
+  x = random_normal(rng, _leading_dims(rng, total) + (h,), dtype)
+  w = random_normal(rng, (h,), DTYPES[rng.integers(len(DTYPES))])
+  residual = random_normal(rng, x.shape, dtype) if rng.integers(2) else None
+  what = (f"rms_norm {jnp.dtype(dtype).name} x{x.shape} weight {jnp.dtype(w.dtype).name} "
+          f"residual={residual is not None}")
+  fn = lambda x, r: jdet.rms_norm(x, w, residual=r)
+  rows = lambda a: None if a is None else a.reshape(-1, h)
+  full = jax.tree.map(rows, fn(x, residual))
+  cut = int(rng.integers(1, total)) if total > 1 else 1
+  pieces = [fn(x.reshape(-1, h)[part], None if residual is None else rows(residual)[part])
+            for part in (slice(0, cut), slice(cut, None)) if part.start != total]
+  assert_bitwise_equal(jax.tree.map(lambda *p: jnp.concatenate(p), *pieces), full,
+                       what=f"{what}, split at {cut}")
+  y, total_sum = full if residual is not None else (full, rows(x))
+  tol = {jnp.float32: 2e-6, jnp.bfloat16: 8e-3, jnp.float16: 1e-3}[dtype]
+  assert relative_error(y, _rms_norm_float64(total_sum, w)) <= tol, what
+
+
+def _rms_norm_sharding(rng):
+  return jdet.rms_norm, random_normal(rng, (16, 40)), random_normal(rng, (40,))
+
+
+# ---------------------------------------------------------------------------
 
 OPS: dict[str, Op] = {op.name: op for op in (
     Op("matmul", _matmul_check, _matmul_bench, _matmul_sweep, _matmul_sharding),
+    Op("rms_norm", _rms_norm_check, _rms_norm_bench, _rms_norm_sweep, _rms_norm_sharding),
     Op("sinkhorn", _sinkhorn_check, _sinkhorn_bench, _sinkhorn_sweep, _sinkhorn_sharding),
     Op("tri_inverse", _tri_inverse_check, _tri_inverse_bench, _tri_inverse_sweep,
        _tri_inverse_sharding),
