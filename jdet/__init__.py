@@ -12,5 +12,6 @@ from jdet.tri_inverse import gdn_chunk_matrices, tri_inverse, tri_inverse_refere
 
 __version__ = "0.1.0"
 
-__all__ = ["dot_product_attention", "dot_product_attention_reference", "matmul", "matmul_reference", "sinkhorn", "sinkhorn_reference", "sinkhorn_residual",
+__all__ = ["dot_product_attention", "dot_product_attention_reference", "matmul",
+           "matmul_reference", "sinkhorn", "sinkhorn_reference", "sinkhorn_residual",
            "tri_inverse", "tri_inverse_reference", "gdn_chunk_matrices"]

@@ -235,22 +235,26 @@ class _Static:
     return None if self.width == self.head_dim else jnp.arange(self.width) < self.head_dim
 
 
-def _block_step(kb, state, *, q, k_ref, v_ref, base, row_pos, key_limit, st: _Static):
+def _block_step(kb, state, *, q, k_ref, v_ref, base, row_pos, key_limit, masked: bool,
+                st: _Static):
   """One online-softmax step over key block ``kb`` (keys base + kb * block_k ...)
-  of refs whose first key is absolute position ``base``."""
+  of refs whose first key is absolute position ``base``. ``masked=False`` is for
+  blocks every row of the tile sees whole: it skips the masks, which would keep
+  every logit anyway, so the bits are the same."""
   bk = st.tiles.block_k
   m, l, acc = state
   local = pl.multiple_of(kb * bk, bk)
   keys = base + local + jnp.arange(bk)
-  key_ok = keys < key_limit
+  key_ok = keys < key_limit if masked else None
   k = load_block(k_ref.at[pl.ds(local, bk), :], rows=key_ok, cols=st.head_cols)
   v = load_block(v_ref.at[pl.ds(local, bk), :], rows=key_ok, cols=st.head_cols)
   s = _barrier(dot_f32(q, k, trans_b=True, precision=st.precision) * (st.scale * LOG2E),
                st.native)
-  mask = key_ok[None, :]
-  if st.causal:
-    mask = mask & (keys[None, :] <= row_pos[:, None])
-  s = jnp.where(mask, s, -jnp.inf)
+  if masked:
+    mask = key_ok[None, :]
+    if st.causal:
+      mask = mask & (keys[None, :] <= row_pos[:, None])
+    s = jnp.where(mask, s, -jnp.inf)
   m_new = jnp.maximum(m, jnp.max(s, axis=1))
   shift = _finite_or_zero(m_new)
   alpha = jnp.exp2(m - shift)
@@ -261,13 +265,16 @@ def _block_step(kb, state, *, q, k_ref, v_ref, base, row_pos, key_limit, st: _St
   return m_new, _fma(l, alpha, l_block, st.native), _fma(acc, alpha[:, None], pv, st.native)
 
 
-def _chunk_state(q, k_ref, v_ref, *, base, first_block, end_block, row_pos, key_limit,
-                 st: _Static):
-  """The state of one chunk: key blocks [first_block, end_block) from empty."""
+def _chunk_state(q, k_ref, v_ref, *, base, first_block, end_block, clear_end, row_pos,
+                 key_limit, st: _Static):
+  """The state of one chunk: key blocks [first_block, end_block) from empty, in
+  order; those below ``clear_end`` are seen whole by every row (no masks)."""
   step = functools.partial(_block_step, q=q, k_ref=k_ref, v_ref=v_ref, base=base,
                            row_pos=row_pos, key_limit=key_limit, st=st)
-  return lax.fori_loop(first_block, end_block, step,
-                       _empty_state(st.tiles.block_q, st.width))
+  middle = jnp.clip(clear_end, first_block, end_block)
+  state = lax.fori_loop(first_block, middle, functools.partial(step, masked=False),
+                        _empty_state(st.tiles.block_q, st.width))
+  return lax.fori_loop(middle, end_block, functools.partial(step, masked=True), state)
 
 
 def _tile_setup(lens_ref, offs_ref, q_ref, row_tile, st: _Static):
@@ -280,9 +287,13 @@ def _tile_setup(lens_ref, offs_ref, q_ref, row_tile, st: _Static):
   q = load_block(q_ref, rows=rows_ok, cols=st.head_cols)
   row_pos = _row_positions(row_start, bq, st.group, offset)
   bound = key_limit
+  clear = key_limit
   if st.causal:
     bound = _causal_limit(key_limit, offset, jnp.minimum(row_start + bq, st.rows) - 1, st.group)
-  return q, rows_ok, row_pos, key_limit, bound
+    clear = _causal_limit(key_limit, offset, row_start, st.group)
+  # Key blocks below clear_end hold only keys every row of the tile sees.
+  clear_end = clear // st.tiles.block_k
+  return q, rows_ok, row_pos, key_limit, bound, clear_end
 
 
 def attention_forward_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
@@ -294,7 +305,7 @@ def attention_forward_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, o_ref, lse
   sequence, rows >= S never loaded); lse_ref: [block_q] float32 (base 2).
   """
   tiles = st.tiles
-  q, rows_ok, row_pos, key_limit, bound = _tile_setup(
+  q, rows_ok, row_pos, key_limit, bound, clear_end = _tile_setup(
       lens_ref, offs_ref, q_ref, pl.program_id(0), st)
   blocks_per_chunk = tiles.chunk_k // tiles.block_k
   num_blocks = (bound + tiles.block_k - 1) // tiles.block_k
@@ -303,7 +314,7 @@ def attention_forward_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, o_ref, lse
     first = c * blocks_per_chunk
     part = _chunk_state(q, k_ref, v_ref, base=0, first_block=first,
                         end_block=jnp.minimum(first + blocks_per_chunk, num_blocks),
-                        row_pos=row_pos, key_limit=key_limit, st=st)
+                        clear_end=clear_end, row_pos=row_pos, key_limit=key_limit, st=st)
     return _merge(total, part, st.native)
 
   num_chunks = (bound + tiles.chunk_k - 1) // tiles.chunk_k
@@ -335,12 +346,13 @@ def attention_split_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, m_ref, l_ref
   """
   tiles = st.tiles
   c = pl.program_id(0) // row_tiles
-  q, rows_ok, row_pos, key_limit, bound = _tile_setup(
+  q, rows_ok, row_pos, key_limit, bound, clear_end = _tile_setup(
       lens_ref, offs_ref, q_ref, pl.program_id(0) % row_tiles, st)
   base = c * tiles.chunk_k
   end = jnp.clip((bound - base + tiles.block_k - 1) // tiles.block_k, 0,
                  tiles.chunk_k // tiles.block_k)
   m, l, acc = _chunk_state(q, k_ref, v_ref, base=base, first_block=0, end_block=end,
+                           clear_end=clear_end - c * (tiles.chunk_k // tiles.block_k),
                            row_pos=row_pos, key_limit=key_limit, st=st)
   _store_rows(m_ref, m, rows_ok)
   _store_rows(l_ref, l, rows_ok)
@@ -561,14 +573,15 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
   def part_index(p, bi, hi):
     return bi, hi, p // row_tiles, p % row_tiles
 
+  chunk_spec = pl.BlockSpec((None, ck, None, width),
+                            lambda p, bi, hi: (bi, p // row_tiles, hi, 0))
   m, l, acc = pl.pallas_call(
       functools.partial(attention_split_kernel, st=st, row_tiles=row_tiles),
       grid=(chunks * row_tiles, b, kv_heads),
       in_specs=[_scalar_spec(), _scalar_spec(),
                 pl.BlockSpec((None, None, bq, width),
                              lambda p, bi, hi: (bi, hi, p % row_tiles, 0)),
-                pl.BlockSpec((None, ck, None, width), lambda p, bi, hi: (bi, p // row_tiles, hi, 0)),
-                pl.BlockSpec((None, ck, None, width), lambda p, bi, hi: (bi, p // row_tiles, hi, 0))],
+                chunk_spec, chunk_spec],
       out_specs=(pl.BlockSpec((None, None, None, bq), part_index),
                  pl.BlockSpec((None, None, None, bq), part_index),
                  pl.BlockSpec((None, None, None, bq, width), lambda p, bi, hi: (*part_index(

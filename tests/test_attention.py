@@ -173,7 +173,8 @@ def _float64_attention(q, k, v, lengths, offsets, causal, scale):
   key_pos = np.arange(k.shape[1])
   mask = key_pos[None, None, :] < np.asarray(lengths)[:, None, None]
   if causal:
-    mask = mask & (key_pos[None, None, :] <= (np.asarray(offsets)[:, None] + np.arange(t))[..., None])
+    query_pos = np.asarray(offsets)[:, None] + np.arange(t)
+    mask = mask & (key_pos[None, None, :] <= query_pos[..., None])
   logits = np.where(mask[:, None], logits, -np.inf)
   shift = np.max(logits, axis=-1, keepdims=True)
   e = np.exp(logits - np.where(np.isfinite(shift), shift, 0))
@@ -288,7 +289,8 @@ def test_kernels_lower_for_cuda(dtype, head_dim):
   if not _cuda_lowering_available():
     pytest.skip("jax's CUDA plugin is not installed")
   sd = jax.ShapeDtypeStruct
-  q, kv, ints = sd((2, 300, 8, head_dim), dtype), sd((2, 1000, 2, head_dim), dtype), sd((2,), jnp.int32)
+  q, kv = sd((2, 300, 8, head_dim), dtype), sd((2, 1000, 2, head_dim), dtype)
+  ints = sd((2,), jnp.int32)
   tiles = kernels.attention_tiles(head_dim, dtype, interpret=False)
   static = dict(scale=0.1, causal=True, tiles=tiles, interpret=False)
   for split in (False, True):
