@@ -401,10 +401,14 @@ def attention_delta_kernel(o_ref, do_ref, delta_ref, *, st: _Static):
 
 
 def _probabilities(q, k, lse, mask, st: _Static):
-  """The forward's probabilities, recomputed from the base-2 log-sum-exp."""
+  """The forward's probabilities, recomputed from the base-2 log-sum-exp.
+  ``mask=None`` is for blocks every row sees whole (rows past the end have
+  lse = +inf, so p = 0 there)."""
   s = _barrier(dot_f32(q, k, trans_b=True, precision=st.precision) * (st.scale * LOG2E),
                st.native)
-  return jnp.exp2(jnp.where(mask, s, -jnp.inf) - lse[:, None])
+  if mask is not None:
+    s = jnp.where(mask, s, -jnp.inf)
+  return jnp.exp2(s - lse[:, None])
 
 
 def _backward_mask(keys, key_ok, rows_ok, row_pos, st: _Static):
@@ -440,7 +444,7 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
   # A key block past the valid keys has no work: start at the end.
   first = jnp.maximum(first, jnp.where(key_start < key_limit, 0, num_row_blocks))
 
-  def step(rb, carry):
+  def step(rb, carry, masked):
     dk, dv = carry
     row_start = pl.multiple_of(rb * bq, bq)
     rows = pl.ds(row_start, bq)
@@ -450,7 +454,8 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
     lse = _load_rows(lse_ref.at[rows], rows_ok, jnp.inf)
     delta = _load_rows(delta_ref.at[rows], rows_ok, 0.0)
     row_pos = _row_positions(row_start, bq, st.group, offset)
-    p = _probabilities(q, k, lse, _backward_mask(keys, key_ok, rows_ok, row_pos, st), st)
+    mask = _backward_mask(keys, key_ok, rows_ok, row_pos, st) if masked else None
+    p = _probabilities(q, k, lse, mask, st)
     dv = dv + _barrier(dot_f32(p.astype(do.dtype), do, trans_a=True, precision=st.precision),
                        st.native)
     dp = dot_f32(do, v, trans_b=True, precision=st.precision)
@@ -459,8 +464,16 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                        st.native)
     return dk, dv
 
+  # Row blocks from clear_start on see every key of this block (all valid).
+  clear_start = first
+  if st.causal:
+    last_key_rows = jnp.maximum((key_start + bk - 1 - offset) * st.group, 0)
+    clear_start = jnp.clip((last_key_rows + bq - 1) // bq, first, num_row_blocks)
+  clear_start = jnp.maximum(clear_start,
+                            jnp.where(key_start + bk <= key_limit, 0, num_row_blocks))
   zeros = jnp.zeros((bk, st.width), jnp.float32)
-  dk, dv = lax.fori_loop(first, num_row_blocks, step, (zeros, zeros))
+  carry = lax.fori_loop(first, clear_start, functools.partial(step, masked=True), (zeros, zeros))
+  dk, dv = lax.fori_loop(clear_start, num_row_blocks, functools.partial(step, masked=False), carry)
   keys_in = block_mask(key_start, bk, st.seq) if st.seq % bk else None
   store_block(dk_ref, (dk * st.scale).astype(dk_ref.dtype), rows=keys_in, cols=st.head_cols)
   store_block(dv_ref, dv.astype(dv_ref.dtype), rows=keys_in, cols=st.head_cols)
@@ -488,18 +501,26 @@ def attention_dq_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref
   if st.causal:
     bound = _causal_limit(key_limit, offset, jnp.minimum(row_start + bq, st.rows) - 1, st.group)
 
-  def step(kb, dq):
+  def step(kb, dq, masked):
     local = pl.multiple_of(kb * bk, bk)
     keys = local + jnp.arange(bk)
-    key_ok = keys < key_limit
+    key_ok = keys < key_limit if masked else None
     k = load_block(k_ref.at[pl.ds(local, bk), :], rows=key_ok, cols=st.head_cols)
     v = load_block(v_ref.at[pl.ds(local, bk), :], rows=key_ok, cols=st.head_cols)
-    p = _probabilities(q, k, lse, _backward_mask(keys, key_ok, rows_ok, row_pos, st), st)
+    mask = _backward_mask(keys, key_ok, rows_ok, row_pos, st) if masked else None
+    p = _probabilities(q, k, lse, mask, st)
     dp = dot_f32(do, v, trans_b=True, precision=st.precision)
     ds = p * (dp - delta[:, None])
     return dq + _barrier(dot_f32(ds.astype(k.dtype), k, precision=st.precision), st.native)
 
-  dq = lax.fori_loop(0, (bound + bk - 1) // bk, step, jnp.zeros((bq, st.width), jnp.float32))
+  clear = key_limit
+  if st.causal:
+    clear = _causal_limit(key_limit, offset, row_start, st.group)
+  num_blocks = (bound + bk - 1) // bk
+  middle = jnp.minimum(clear // bk, num_blocks)  # key blocks below it: seen whole
+  dq = lax.fori_loop(0, middle, functools.partial(step, masked=False),
+                     jnp.zeros((bq, st.width), jnp.float32))
+  dq = lax.fori_loop(middle, num_blocks, functools.partial(step, masked=True), dq)
   store_block(dq_ref, (dq * st.scale).astype(dq_ref.dtype), rows=rows_ok, cols=st.head_cols)
 
 
