@@ -1,0 +1,312 @@
+"""The op registry: one entry per jdet op, read by everything that iterates over ops.
+
+``python -m jdet check`` runs each entry's ``check_cases``, ``python -m jdet bench``
+its ``bench_cases``, ``tests/test_properties.py`` its ``sweep_case`` and the
+sharding test (``tests/sharded_check.py``) its ``sharding_case``. Adding an op
+means writing its module (``jdet/<op>.py`` over ``pallas_kernels/<op>.py``) and
+one entry here::
+
+    def _my_op_check(full):            # -> list[jdet.check.Case]
+      x = random_normal(0, (4096 if full else 16, 512))
+      return [Case("my_op", "fwd", jdet.my_op, (x,), (0,),
+                   lambda: relative_error(jdet.my_op(x), my_op_float64(x)), 1e-6)]
+
+    def _my_op_bench(full):            # -> list[BenchCase]
+      ...
+
+    def _my_op_sweep(rng):             # one random invariance + accuracy case; raises on failure
+      ...
+
+    def _my_op_sharding(rng):          # -> (fn, batched input, *shared inputs)
+      return jdet.my_op, random_normal(rng, (16, 32))
+
+    Op("my_op", _my_op_check, _my_op_bench, _my_op_sweep, _my_op_sharding)
+
+and adding it to :data:`OPS`. Every case builder takes ``full`` (production
+sizes on a GPU) or a seeded ``rng`` and builds its inputs with
+:func:`jdet.testing.random_normal`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jdet
+from jdet.bench import BenchCase
+from jdet.check import Case
+from jdet.testing import assert_bitwise_equal, random_normal, relative_error
+from jdet.tri_inverse import gdn_chunk_matrices
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """What the tools need to know about one op (see the module docstring)."""
+  name: str
+  check_cases: Callable[[bool], list[Case]]
+  bench_cases: Callable[[bool], list[BenchCase]]
+  sweep_case: Callable[[np.random.Generator], None]
+  sharding_case: Callable[[np.random.Generator], tuple]
+
+
+def _row_grad(fn):
+  """Gradient of sum(fn(x)**2)/2 w.r.t. x: row i's gradient depends on row i only."""
+  return jax.grad(lambda x, *rest: 0.5 * jnp.sum(fn(x, *rest) ** 2))
+
+
+def _forward_and_backward(fn):
+  """``(x..., g) -> (fn(x...), *vjp(g))``: the forward+backward pass benchmarks time."""
+  def run(*args):
+    out, vjp = jax.vjp(fn, *args[:-1])
+    return out, *vjp(args[-1])
+  return run
+
+
+def _first_args(fn, count):
+  """``fn`` on the first ``count`` of an input set (a forward pass ignores the cotangent)."""
+  return lambda *args: fn(*args[:count])
+
+
+def _leading_dims(rng, total):
+  """Splits ``total`` rows into one or two leading dims (e.g. [batch, seq])."""
+  divisors = [d for d in range(1, total + 1) if total % d == 0]
+  first = int(rng.choice(divisors))
+  return (total,) if rng.integers(2) else (first, total // first)
+
+
+def _split_check(fn, x, rng, *, what):
+  """fn on x's leading dims flattened, whole vs two chunks at a random row."""
+  full = fn(x)
+  rows = x.reshape((-1,) + x.shape[-2:])
+  cut = int(rng.integers(1, rows.shape[0])) if rows.shape[0] > 1 else 1
+  parts = [fn(rows[:cut])] + ([fn(rows[cut:])] if cut < rows.shape[0] else [])
+  assert_bitwise_equal(jnp.concatenate(parts), full.reshape((-1,) + full.shape[-2:]),
+                       what=f"{what}, split at {cut}")
+  return full
+
+
+# ---------------------------------------------------------------------------
+# matmul
+
+MATMUL_BENCH_M = (1, 16, 64, 256, 512, 1024, 4096, 16384)
+MATMUL_BENCH_KN = ((4096, 4096), (4096, 12288), (4096, 14336), (14336, 4096), (4096, 32000))
+MATMUL_QUICK = ((1, (64, 128)), (40, (64, 128)))  # CPU interpret: shapes that finish
+
+
+def _matmul_check(full):
+  m, k, n = (1024, 4096, 4096) if full else (40, 96, 80)
+  a, b = random_normal(0, (m, k), jnp.bfloat16), random_normal(1, (k, n), jnp.bfloat16)
+  reference = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+  sizes = (1, 2, 3, 7, 16, 17, 100, 129, 1000) if full else (1, 2, 3, 7, 16, 17)
+  a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+  return [
+      Case("matmul", f"fwd bf16 [{m},{k}]x[{k},{n}]", jdet.matmul, (a, b), (0, None),
+           lambda: relative_error(jdet.matmul(a, b), reference), 1e-2, sizes),
+      Case("matmul", "dA (grad of sum of squares)", _row_grad(jdet.matmul), (a, b),
+           (0, None), lambda: relative_error(_row_grad(jdet.matmul)(a32, b32),
+                                             _row_grad(jdet.matmul_reference)(a32, b32)),
+           1e-2 if full else 1e-5, sizes),
+  ]
+
+
+def matmul_bench_cases(shapes, *, backends=("pallas",), dtype=jnp.bfloat16):
+  """Forward and forward+backward cases for (M, (K, N)) shapes, one per jdet backend."""
+  cases = []
+  for m, (k, n) in shapes:
+    def make_args(seed, m=m, k=k, n=n):
+      return (random_normal(3 * seed, (m, k), dtype), random_normal(3 * seed + 1, (k, n), dtype),
+              random_normal(3 * seed + 2, (m, n), dtype))
+    itemsize = jnp.dtype(dtype).itemsize
+    set_bytes = (m * k + k * n + 2 * m * n) * itemsize
+    for backend in backends:
+      op = "matmul" if backend == "pallas" else f"matmul[{backend}]"
+      ours = functools.partial(jdet.matmul, backend=backend)
+      for pass_, wrap, passes in (("fwd", lambda f: _first_args(f, 2), 1),
+                                  ("fwd+bwd", _forward_and_backward, 3)):
+        cases.append(BenchCase(
+            op, f"M={m} K={k} N={n}", pass_, wrap(ours), "jnp.dot (XLA)", wrap(jnp.dot),
+            make_args, set_bytes, flops=2.0 * m * k * n * passes))
+  return cases
+
+
+def _matmul_bench(full):
+  return matmul_bench_cases(itertools.product(MATMUL_BENCH_M, MATMUL_BENCH_KN) if full
+                            else MATMUL_QUICK)
+
+
+def _matmul_sweep(rng):
+  total, k, n = int(rng.integers(1, 70)), int(rng.integers(1, 150)), int(rng.integers(1, 100))
+  dtype = DTYPES[rng.integers(len(DTYPES))]
+  a = random_normal(rng, _leading_dims(rng, total) + (k,), dtype)
+  b = random_normal(rng, (k, n), dtype)
+  what = f"matmul {jnp.dtype(dtype).name} a{a.shape} b{b.shape}"
+  if a.ndim == 2:
+    a = a[None]
+  out = _split_check(lambda x: jdet.matmul(x, b), a, rng, what=what)
+  ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+  tol = {jnp.float32: 2e-3 if jax.default_backend() == "gpu" else 1e-5,
+         jnp.bfloat16: 1e-2, jnp.float16: 2e-3}[dtype]
+  assert np.abs(np.asarray(out, np.float64) - ref).max() <= tol * max(np.abs(ref).max(), 1), what
+
+
+def _matmul_sharding(rng):
+  return jdet.matmul, random_normal(rng, (24, 48)), random_normal(rng, (48, 40))
+
+
+# ---------------------------------------------------------------------------
+# sinkhorn
+
+SINKHORN_ITERS = 20
+SINKHORN_BENCH = tuple(itertools.product((4096, 16384, 65536, 262144), (4, 8)))
+SINKHORN_QUICK = ((256, 4),)
+
+
+def _sinkhorn_check(full):
+  cases = []
+  for n in (4, 8):
+    tokens = (65536 if n == 4 else 16384) if full else 32
+    logits = random_normal(10 + n, (tokens, n, n)) * 2
+    # Each token count compiles its own kernels (~10 s for an unrolled backward).
+    sizes = (1, 7, 1000) if full else (1, 2, 7)
+    reference = jdet.sinkhorn_reference(logits)
+    cases.append(Case("sinkhorn", f"fwd n={n} [{tokens},{n},{n}]", jdet.sinkhorn, (logits,),
+                      (0,), lambda r=reference, x=logits: relative_error(jdet.sinkhorn(x), r),
+                      1e-5, sizes))
+    unrolled = lambda x: jdet.sinkhorn(x, grad="unrolled")
+    want = _row_grad(jdet.sinkhorn_reference)(logits)
+    cases.append(Case(
+        "sinkhorn", f"grad=unrolled n={n}", _row_grad(unrolled), (logits,), (0,),
+        lambda x=logits, w=want: relative_error(_row_grad(unrolled)(x), w), 1e-4, sizes))
+    # The implicit gradient is the fixed point's: compare where the iteration has
+    # converged (moderate logits, 200 iterations), against the unrolled reference.
+    converged = logits * 0.25
+    implicit = lambda x: jdet.sinkhorn(x, iters=200, grad="implicit")
+    want = _row_grad(lambda x: jdet.sinkhorn_reference(x, iters=200))(converged)
+    cases.append(Case(
+        "sinkhorn", f"grad=implicit n={n} (200 iters)", _row_grad(implicit), (converged,),
+        (0,), lambda x=converged, w=want: relative_error(_row_grad(implicit)(x), w), 1e-3,
+        sizes))
+  return cases
+
+
+def _sinkhorn_bench(full):
+  cases = []
+  for tokens, n in SINKHORN_BENCH if full else SINKHORN_QUICK:
+    matrix_bytes = tokens * n * n * 4
+
+    def make_args(seed, shape=(tokens, n, n)):
+      return random_normal(2 * seed, shape), random_normal(2 * seed + 1, shape)
+
+    reference = functools.partial(jdet.sinkhorn_reference, iters=SINKHORN_ITERS)
+    label = f"T={tokens} n={n} iters={SINKHORN_ITERS}"
+    for grad in ("unrolled", "implicit"):
+      ours = functools.partial(jdet.sinkhorn, iters=SINKHORN_ITERS, grad=grad)
+      if grad == "unrolled":
+        cases.append(BenchCase("sinkhorn", label, "fwd", _first_args(ours, 1),
+                               "jit(jnp reference)", _first_args(reference, 1), make_args,
+                               2 * matrix_bytes, bytes_moved=2 * matrix_bytes))
+      # The implicit backward also reads the saved result.
+      cases.append(BenchCase("sinkhorn", label, f"fwd+bwd {grad}", _forward_and_backward(ours),
+                             "jit(grad(jnp reference))", _forward_and_backward(reference),
+                             make_args, 2 * matrix_bytes,
+                             bytes_moved=(5 if grad == "unrolled" else 6) * matrix_bytes))
+  return cases
+
+
+def _sinkhorn_sweep(rng):
+  n = int(rng.choice([1, 2, 3, 4, 8, 16]))
+  total = int(rng.integers(1, 50))
+  iters = int(rng.integers(1, 8))
+  init = str(rng.choice(["softmax", "exp"]))
+  dtype = DTYPES[rng.integers(len(DTYPES))]
+  logits = (3 * random_normal(rng, _leading_dims(rng, total) + (n, n))).astype(dtype)
+  fn = functools.partial(jdet.sinkhorn, iters=iters, init=init)
+  what = f"sinkhorn n={n} iters={iters} init={init} {jnp.dtype(dtype).name} {logits.shape}"
+  out = _split_check(fn, logits.reshape((-1, n, n)), rng, what=what)
+  ref = jdet.sinkhorn_reference(logits.astype(jnp.float32), iters=iters, init=init)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref).reshape(out.shape),
+                             rtol=1e-5, atol=1e-6, err_msg=what)
+
+
+def _sinkhorn_sharding(rng):
+  return functools.partial(jdet.sinkhorn, iters=5), random_normal(rng, (16, 4, 4))
+
+
+# ---------------------------------------------------------------------------
+# tri_inverse
+
+TRI_INVERSE_BENCH = ((8192, 64), (65536, 64), (8192, 128), (65536, 128))
+TRI_INVERSE_QUICK = ((8, 16), (4, 64))
+
+
+def _linalg_inv(a):
+  """The dense baseline: ``jnp.linalg.inv(I - tril(a, -1))`` (LU, pivoting)."""
+  identity = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+  return jnp.linalg.inv(identity - jnp.tril(a, -1))
+
+
+def _tri_inverse_check(full):
+  cases = []
+  for n in (64, 128) if full else (64,):
+    count = 4096 if full else 8
+    a = gdn_chunk_matrices(jax.random.key(n), count, n)
+    exact = np.linalg.inv(np.eye(n) - np.tril(np.asarray(a, np.float64), -1))
+    sizes = (1, 3, 64, 1000) if full else (1, 3)
+    cases.append(Case("tri_inverse", f"fwd blocked n={n} [{count},{n},{n}]", jdet.tri_inverse,
+                      (a,), (0,), lambda x=a, e=exact: relative_error(jdet.tri_inverse(x), e),
+                      1e-5, sizes))
+    want = _row_grad(jdet.tri_inverse_reference)(a)
+    cases.append(Case("tri_inverse", f"dA n={n}", _row_grad(jdet.tri_inverse), (a,), (0,),
+                      lambda x=a, w=want: relative_error(_row_grad(jdet.tri_inverse)(x), w),
+                      1e-4, sizes))
+  return cases
+
+
+def _tri_inverse_bench(full):
+  cases = []
+  for count, n in TRI_INVERSE_BENCH if full else TRI_INVERSE_QUICK:
+    def make_args(seed, count=count, n=n):
+      return (gdn_chunk_matrices(jax.random.key(seed), count, n),
+              random_normal(seed, (count, n, n)))
+    set_bytes = 4 * count * n * n * 4  # a, g, X, dA in f32
+    for baseline, baseline_fn in (("solve_triangular", jdet.tri_inverse_reference),
+                                  ("jnp.linalg.inv", _linalg_inv)):
+      for pass_, wrap in (("fwd", lambda f: _first_args(f, 1)),
+                          ("fwd+bwd", _forward_and_backward)):
+        cases.append(BenchCase("tri_inverse", f"{count} x {n}x{n}", pass_,
+                               wrap(jdet.tri_inverse), baseline, wrap(baseline_fn), make_args,
+                               set_bytes))
+  return cases
+
+
+def _tri_inverse_sweep(rng):
+  n = int(rng.choice([16, 32]))
+  total = int(rng.integers(1, 12))
+  dtype = DTYPES[rng.integers(len(DTYPES))]
+  a = gdn_chunk_matrices(jax.random.key(int(rng.integers(1 << 30))), total, n).astype(dtype)
+  what = f"tri_inverse n={n} {jnp.dtype(dtype).name} [{total},{n},{n}]"
+  out = _split_check(jdet.tri_inverse, a, rng, what=what)
+  exact = np.linalg.inv(np.eye(n) - np.tril(np.asarray(a, np.float64), -1))
+  assert np.abs(np.asarray(out, np.float64) - exact).max() <= 1e-5 * np.abs(exact).max(), what
+
+
+def _tri_inverse_sharding(rng):
+  return jdet.tri_inverse, gdn_chunk_matrices(jax.random.key(int(rng.integers(1 << 30))), 8, 16)
+
+
+# ---------------------------------------------------------------------------
+
+OPS: dict[str, Op] = {op.name: op for op in (
+    Op("matmul", _matmul_check, _matmul_bench, _matmul_sweep, _matmul_sharding),
+    Op("sinkhorn", _sinkhorn_check, _sinkhorn_bench, _sinkhorn_sweep, _sinkhorn_sharding),
+    Op("tri_inverse", _tri_inverse_check, _tri_inverse_bench, _tri_inverse_sweep,
+       _tri_inverse_sharding),
+)}
