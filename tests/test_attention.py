@@ -16,7 +16,7 @@ import pytest
 import jdet
 from jdet.testing import assert_bitwise_equal, relative_error
 from pallas_kernels import attention as kernels
-from tests.conftest import ON_GPU
+from jdet.bench import on_gpu
 
 B, S, N, K, H = 3, 24, 4, 2, 16  # GQA: two query heads per kv head
 LENGTHS = (21, 13, 24)  # valid keys (= tokens) of each sequence of the cache
@@ -282,7 +282,7 @@ def _cuda_lowering_available():
     return False
 
 
-@pytest.mark.skipif(ON_GPU, reason="the GPU tests compile the kernels for real")
+@pytest.mark.skipif(on_gpu(), reason="the GPU tests compile the kernels for real")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_kernels_lower_for_cuda(dtype, head_dim):
