@@ -302,6 +302,119 @@ def _tri_inverse_sharding(rng):
   return jdet.tri_inverse, gdn_chunk_matrices(jax.random.key(int(rng.integers(1 << 30))), 8, 16)
 
 
+
+# ---------------------------------------------------------------------------
+# dot_product_attention
+
+ATTENTION_HEADS = (32, 8, 128)  # N, K, H of the benchmarks (bf16)
+# (kind, B, T, S): causal prefill (T = S) and decode (T = 1 against a full cache).
+ATTENTION_BENCH = (("prefill", 1, 4096, 4096), ("prefill", 4, 4096, 4096),
+                   *(("decode", b, 1, s) for s in (4096, 32768) for b in (1, 8, 64)))
+ATTENTION_QUICK = (("prefill", 1, 32, 32), ("decode", 2, 1, 64))
+
+
+def _causal_attention(q, k, v):
+  return jdet.dot_product_attention(q, k, v, is_causal=True)
+
+
+def _attention_check(full):
+  b, t, n, kv, h = (8, 1024, 32, 8, 128) if full else (4, 20, 4, 2, 16)
+  q = random_normal(20, (b, t, n, h), jnp.bfloat16)
+  k, v = (random_normal(21 + i, (b, t, kv, h), jnp.bfloat16) for i in range(2))
+  ref = jdet.dot_product_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                                             v.astype(jnp.float32), is_causal=True)
+  def dq(fn):
+    return lambda q, k, v: jax.grad(lambda q: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2))(q)
+
+  reference = functools.partial(jdet.dot_product_attention_reference, is_causal=True)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  sizes = (1, 2, 3, 7) if full else (1, 2, 3)
+  return [Case("dot_product_attention", f"causal fwd bf16 q{q.shape} kv{k.shape}",
+               _causal_attention, (q, k, v), (0, 0, 0),
+               lambda: relative_error(_causal_attention(q, k, v).astype(jnp.float32), ref),
+               2e-2, sizes),
+          Case("dot_product_attention", "dq (grad of sum of squares)", dq(_causal_attention),
+               (q, k, v), (0, 0, 0),
+               lambda: relative_error(dq(_causal_attention)(*f32), dq(reference)(*f32)),
+               1e-4, sizes)]
+
+
+def _attention_bench(full):
+  n, kv, h = ATTENTION_HEADS
+  dtype = jnp.bfloat16
+  itemsize = jnp.dtype(dtype).itemsize
+  cases = []
+  for kind, b, t, s in ATTENTION_BENCH if full else ATTENTION_QUICK:
+    def make_args(seed, b=b, t=t, s=s):
+      return (random_normal(4 * seed, (b, t, n, h), dtype),
+              random_normal(4 * seed + 1, (b, s, kv, h), dtype),
+              random_normal(4 * seed + 2, (b, s, kv, h), dtype),
+              random_normal(4 * seed + 3, (b, t, n, h), dtype))
+    set_bytes = (2 * b * t * n + 2 * b * s * kv) * h * itemsize
+    label = f"{kind} B={b} T={t} S={s} N={n} K={kv} H={h}"
+    if kind == "prefill":
+      impl = _cudnn_or_xla(make_args(0))
+      theirs = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                 implementation=impl)
+      flops = 4.0 * b * n * t * s * h / 2  # causal: half the square
+      for pass_, wrap, passes in (("fwd", lambda f: _first_args(f, 3), 1.0),
+                                  ("fwd+bwd", _forward_and_backward, 3.5)):
+        cases.append(BenchCase("dot_product_attention", label, pass_,
+                               wrap(_causal_attention), f"jax.nn ({impl})", wrap(theirs),
+                               make_args, set_bytes, flops=flops * passes))
+    else:
+      lengths = jnp.full((b,), s, jnp.int32)
+      ours = functools.partial(jdet.dot_product_attention, key_value_seq_lengths=lengths)
+      theirs = functools.partial(jax.nn.dot_product_attention, key_value_seq_lengths=lengths,
+                                 implementation="xla")
+      cases.append(BenchCase("dot_product_attention", label, "fwd", _first_args(ours, 3),
+                             "jax.nn (xla)", _first_args(theirs, 3), make_args, set_bytes,
+                             bytes_moved=2.0 * b * s * kv * h * itemsize))
+  return cases
+
+
+def _cudnn_or_xla(args) -> str:
+  """"cudnn" where jax.nn's cuDNN attention compiles forward+backward, else "xla"."""
+  try:
+    fn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+    jax.jit(_forward_and_backward(fn)).lower(*args).compile()
+    return "cudnn"
+  except Exception:  # noqa: BLE001 - no GPU, no cuDNN, or an unsupported shape
+    return "xla"
+
+
+def _attention_sweep(rng):
+  b, s = int(rng.integers(1, 4)), int(rng.integers(1, 40))
+  kv = int(rng.choice([1, 2]))
+  n, h = kv * int(rng.choice([1, 2])), int(rng.choice([16, 32]))
+  dtype = DTYPES[rng.integers(len(DTYPES))]
+  q = random_normal(rng, (b, s, n, h), dtype)
+  k, v = (random_normal(rng, (b, s, kv, h), dtype) for _ in range(2))
+  lengths = jnp.asarray(rng.integers(0, s + 1, b), jnp.int32)
+  what = f"dot_product_attention {jnp.dtype(dtype).name} q{q.shape} kv{k.shape} {lengths}"
+  fn = functools.partial(jdet.dot_product_attention, is_causal=True,
+                         key_value_seq_lengths=lengths)
+  full = fn(q, k, v)
+  cut = int(rng.integers(1, s + 1))  # chunked prefill: queries [0, cut) then [cut, s)
+  first = jdet.dot_product_attention(q[:, :cut], k, v, is_causal=True,
+                                     key_value_seq_lengths=jnp.minimum(lengths, cut))
+  valid = np.arange(s)[None, :] < np.asarray(lengths)[:, None]
+  assert_bitwise_equal(np.where(valid[:, :cut, None, None], first, 0),
+                       np.where(valid[:, :cut, None, None], full[:, :cut], 0),
+                       what=f"{what}, chunk [0, {cut})")
+  ref = jdet.dot_product_attention_reference(q, k, v, is_causal=True,
+                                             key_value_seq_lengths=lengths)
+  tol = 1e-5 if dtype == jnp.float32 and jax.default_backend() != "gpu" else 2e-2
+  np.testing.assert_allclose(np.asarray(full, np.float32), np.asarray(ref, np.float32),
+                             rtol=tol, atol=tol, err_msg=what)
+
+
+def _attention_sharding(rng):
+  """One [B, T, N + 2K, H] input holding q, k and v (each sequence its own keys)."""
+  def fn(x):
+    return _causal_attention(x[:, :, :4], x[:, :, 4:6], x[:, :, 6:])
+  return fn, random_normal(rng, (8, 12, 8, 16))
+
 # ---------------------------------------------------------------------------
 # rms_norm
 
@@ -419,4 +532,6 @@ OPS: dict[str, Op] = {op.name: op for op in (
     Op("sinkhorn", _sinkhorn_check, _sinkhorn_bench, _sinkhorn_sweep, _sinkhorn_sharding),
     Op("tri_inverse", _tri_inverse_check, _tri_inverse_bench, _tri_inverse_sweep,
        _tri_inverse_sharding),
+    Op("dot_product_attention", _attention_check, _attention_bench, _attention_sweep,
+       _attention_sharding),
 )}
