@@ -138,10 +138,21 @@ def store_block(ref, value, rows=None, cols=None):
   pltriton.store(ref, value, mask=mask)
 
 
+def divide(x, y, *, native: bool):
+  """Elementwise float32 ``x / y`` rounded once (IEEE), inside a kernel; operands broadcast.
+
+  The Triton lowering of ``/`` on float32 is ``div.full.f32`` (approximate), so
+  ``native=True`` (GPU only) issues ``div.rn.f32``: the same bits as XLA's
+  float32 division of the same operands. Interpret mode needs ``native=False``.
+  """
+  return _ptx_f32("div.rn.f32 $0, $1, $2;", x, y) if native else x / y
+
+
 __all__ = [
     "block_mask",
     "cdiv",
     "compiler_params",
+    "divide",
     "dot_f32",
     "load_block",
     "multiply_add",
