@@ -32,13 +32,13 @@ length is congruent to the row's modulo every power of two below W.
 Kernels:
   * :func:`row_forward_kernel` - the state, and softmax / log_softmax / logsumexp.
   * :func:`row_backward_kernel` - their VJPs from the input and the saved state.
-  * :func:`token_chunk_update_kernel` - folds logits / temperature of one vocab
-    chunk into (m, s, picked token logit).
+  * :func:`token_chunk_update_kernel` - folds logits * (1 / temperature) of one
+    vocab chunk into (m, s, picked token logit).
   * :func:`token_finalize_kernel` - picked - m - log(s): log_softmax's formula.
   * :func:`token_chunk_backward_kernel` - dlogits = g (onehot - p) / temperature.
 
-Divisions are correctly rounded (:func:`pallas_kernels._common.divide`); exp
-and log are libdevice's ``expf``/``logf`` on the GPU.
+1 / s is correctly rounded (:func:`pallas_kernels._common.divide`); exp and log
+are libdevice's ``expf``/``logf`` on the GPU.
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._common import (block_mask, cdiv, compiler_params, divide, multiply_add,
-                                    pad_axis, store_block)
+from pallas_kernels._common import (block_mask, cdiv, compiler_params, divide, multiply,
+                                    multiply_add, pad_axis, store_block)
 
 SOFTMAX, LOG_SOFTMAX, LOGSUMEXP = "softmax", "log_softmax", "logsumexp"
 KINDS = (SOFTMAX, LOG_SOFTMAX, LOGSUMEXP)
@@ -280,15 +280,21 @@ def row_backward_kernel(x_ref, m_ref, s_ref, g_ref, dx_ref, *, kind: str, rows: 
   row.emit(load, lambda xg, start, last: store(start, grad(*xg, total), last), last_block)
 
 
-def _scaled(x, temperature: float, native: bool):
-  return x if temperature == 1.0 else divide(x, temperature, native=native)
+def _scaled(x, inv_temperature: float, native: bool):
+  """x * inv_temperature (1.0: x itself). On the GPU one ``mul.rn.f32``, which
+  ptxas never contracts with the subtraction that follows into a fused
+  multiply-add, so the product is rounded on its own as XLA's multiply is."""
+  if inv_temperature == 1.0:
+    return x
+  return multiply(x, inv_temperature) if native else x * inv_temperature
 
 
 def token_chunk_update_kernel(x_ref, tok_ref, m_ref, s_ref, p_ref, m_out, s_out, p_out, *,
-                              rows: int, row: _Row, temperature: float, native: bool):
+                              rows: int, row: _Row, inv_temperature: float, native: bool):
   """Folds one vocab chunk into each row's (m, s, picked logit).
 
-  x_ref: [block_rows, n*W] float32 logits of the chunk (before the temperature);
+  x_ref: [block_rows, n*W] float32 logits of the chunk, multiplied in-kernel by
+  ``inv_temperature`` (a float32 value; 1.0 skips it; see :func:`token_chunk_update`);
   tok_ref: [block_rows, 1] int32 token ids relative to the chunk's first column;
   m, s, p refs: [block_rows, 1] float32 state in and out (aliased). The picked
   logit is the max of -inf and the token's logit / temperature (exact).
@@ -299,7 +305,7 @@ def token_chunk_update_kernel(x_ref, tok_ref, m_ref, s_ref, p_ref, m_out, s_out,
 
   def body(x, start, state):
     m, s, picked = state
-    x = _scaled(x, temperature, native)
+    x = _scaled(x, inv_temperature, native)
     m, s = online_update(m, s, x, native=native)
     hit = jnp.where(start + cols == token, x, -jnp.inf)
     return m, s, jnp.maximum(picked, jnp.max(hit, axis=1, keepdims=True))
@@ -319,8 +325,8 @@ def token_finalize_kernel(m_ref, s_ref, p_ref, o_ref, *, rows: int):
 
 
 def token_chunk_backward_kernel(x_ref, tok_ref, m_ref, s_ref, g_ref, dl_ref, *, rows: int,
-                                row: _Row, temperature: float, native: bool):
-  """dlogits of one chunk: (onehot(token) - p) * (g / temperature), p = exp(x/τ - m) / s.
+                                row: _Row, inv_temperature: float, native: bool):
+  """dlogits of one chunk: (onehot(token) - p) * g / τ, p = exp(x / τ - m) / s.
 
   x_ref: [block_rows, n*W] float32 logits before the temperature; tok_ref, m, s,
   g refs: [block_rows, 1]; dl_ref: like x_ref, in the GEMM's compute dtype.
@@ -329,11 +335,11 @@ def token_chunk_backward_kernel(x_ref, tok_ref, m_ref, s_ref, g_ref, dl_ref, *, 
   token = _load_tokens(tok_ref, valid)
   m, s, g = _load(m_ref, valid), _load(s_ref, valid), _load(g_ref, valid)
   inv_s = divide(1.0, s, native=native)
-  scale = g if temperature == 1.0 else divide(g, temperature, native=native)
+  scale = _scaled(g, inv_temperature, native)
   cols = lax.broadcasted_iota(jnp.int32, (1, row.width), 1)
 
   def emit(x, start, last):
-    p = jnp.exp(_scaled(x, temperature, native) - m) * inv_s
+    p = jnp.exp(_scaled(x, inv_temperature, native) - m) * inv_s
     onehot = jnp.where(start + cols == token, 1.0, 0.0)
     row.store(dl_ref, start, (onehot - p) * scale, valid, last=last)
 
@@ -348,18 +354,21 @@ def _aligned(x):
   return pad_axis(x, 1, ROW_ALIGN_BYTES // x.dtype.itemsize)
 
 
-def _call(kernel, inputs, outputs, *, row: _Row, tiles: SoftmaxTiles, wide, interpret: bool,
-          name: str, aliases=None):
+def _call(kernel, inputs, outputs, *, tiles: SoftmaxTiles, wide, interpret: bool, name: str,
+          row: _Row | None = None, aliases=None):
   """Launches ``kernel`` over row blocks; ``wide`` says which inputs/outputs are
-  [rows, n*W] row blocks (the rest are [rows, 1] per-row values)."""
+  [rows, n*W] row blocks of ``row`` (the rest are [rows, 1] per-row values)."""
   rows = inputs[0].shape[0]
   block_rows = tiles.block_rows
-  row_spec = pl.BlockSpec((block_rows, row.count * row.width), lambda i: (i, 0))
   value_spec = pl.BlockSpec((block_rows, 1), lambda i: (i, 0))
+  kernel = functools.partial(kernel, rows=rows)
+  if row is not None:
+    kernel = functools.partial(kernel, row=row)
+    row_spec = pl.BlockSpec((block_rows, row.count * row.width), lambda i: (i, 0))
   specs = [row_spec if w else value_spec for w in wide]
   out_specs = specs[len(inputs):] if isinstance(outputs, list) else specs[-1]
   return pl.pallas_call(
-      functools.partial(kernel, rows=rows, row=row),
+      kernel,
       grid=(cdiv(rows, block_rows),),
       in_specs=specs[:len(inputs)],
       out_specs=out_specs,
@@ -408,15 +417,25 @@ def row_backward(x, m, s, g, *, kind: str, tiles: SoftmaxTiles, interpret: bool)
   return dx[:, :length]
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "tiles", "interpret"))
-def token_chunk_update(logits, tokens, m, s, picked, *, temperature: float,
+@functools.partial(jax.jit, static_argnames=("inv_temperature", "tiles", "interpret"))
+def token_chunk_update(logits, tokens, m, s, picked, *, inv_temperature: float,
                        tiles: SoftmaxTiles, interpret: bool):
   """logits: [T, c] float32 (one vocab chunk, before the temperature); tokens: [T]
-  int32 relative to the chunk; m, s, picked: [T] float32 state. Returns the new state."""
+  int32 relative to the chunk; m, s, picked: [T] float32 state; ``inv_temperature``
+  a float32 value the logits are multiplied by. Returns the new state.
+
+  The product is rounded on its own, as XLA's ``logits / temperature`` is (XLA
+  rewrites a division by a scalar into a multiplication by its float32
+  reciprocal): in-kernel on the GPU (:func:`_scaled`); in interpret mode by XLA
+  before the launch, since XLA:CPU may fuse an in-kernel product with the
+  subtraction after it into one FMA.
+  """
   rows, length = logits.shape
+  if interpret and inv_temperature != 1.0:
+    logits, inv_temperature = logits * jnp.float32(inv_temperature), 1.0
   state = [jax.ShapeDtypeStruct((rows, 1), jnp.float32)] * 3
   out = _call(
-      functools.partial(token_chunk_update_kernel, temperature=temperature,
+      functools.partial(token_chunk_update_kernel, inv_temperature=inv_temperature,
                         native=not interpret),
       [_aligned(logits), _column(tokens), _column(m), _column(s), _column(picked)], state,
       row=_Row(length, tiles.block_cols), tiles=tiles, wide=(True,) + (False,) * 7,
@@ -429,13 +448,13 @@ def token_finalize(m, s, picked, *, interpret: bool):
   """m, s, picked: [T] float32 state after the last chunk; returns the [T] float32 log-probs."""
   rows = m.shape[0]
   out = _call(token_finalize_kernel, [_column(m), _column(s), _column(picked)],
-              jax.ShapeDtypeStruct((rows, 1), jnp.float32), row=_Row(1, 1), tiles=FINALIZE_TILES,
+              jax.ShapeDtypeStruct((rows, 1), jnp.float32), tiles=FINALIZE_TILES,
               wide=(False,) * 4, interpret=interpret, name="jdet_token_finalize")
   return out[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("temperature", "out_dtype", "tiles", "interpret"))
-def token_chunk_backward(logits, tokens, m, s, g, *, temperature: float, out_dtype,
+@functools.partial(jax.jit, static_argnames=("inv_temperature", "out_dtype", "tiles", "interpret"))
+def token_chunk_backward(logits, tokens, m, s, g, *, inv_temperature: float, out_dtype,
                          tiles: SoftmaxTiles, interpret: bool):
   """logits: [T, c] float32 (before the temperature); tokens: [T] int32 relative
   to the chunk; m, s: [T] state after the last chunk; g: [T] float32 cotangent of
@@ -443,7 +462,7 @@ def token_chunk_backward(logits, tokens, m, s, g, *, temperature: float, out_dty
   rows, length = logits.shape
   xp = _aligned(logits)
   dl = _call(
-      functools.partial(token_chunk_backward_kernel, temperature=temperature,
+      functools.partial(token_chunk_backward_kernel, inv_temperature=inv_temperature,
                         native=not interpret),
       [xp, _column(tokens), _column(m), _column(s), _column(g)],
       jax.ShapeDtypeStruct(xp.shape, out_dtype), row=_Row(length, tiles.block_cols),
