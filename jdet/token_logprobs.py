@@ -4,7 +4,7 @@ streamed over the vocabulary, each row bitwise on its own.
 Numerics: the vocabulary is cut into fixed chunks of C columns (C a function of V
 only: ``pallas_kernels.softmax.token_chunk_cols``). Per chunk, in increasing
 order, the jdet GEMM computes the float32 logits of every row against
-``weight[:, chunk]``, and a row kernel folds logits / temperature into each row's
+``weight[:, chunk]``, and a row kernel folds logits * (1 / temperature) into each row's
 running (max, sum of exponentials, picked logit). The [T, V] logits never exist:
 the extra memory is O(T * C). The backward recomputes each chunk's logits.
 """
@@ -59,14 +59,19 @@ def token_logprobs(hidden, weight, tokens, *, temperature=1.0, interpret=None):
   Bitwise promise: the result equals
   ``jnp.take_along_axis(jdet.log_softmax(jdet.matmul(hidden, weight,
   preferred_element_type=jnp.float32) / temperature), tokens[..., None], -1)[..., 0]``
-  for every row: the GEMM's bits do not depend on which columns it computes;
-  the division is correctly rounded in both (``div.rn.f32`` in-kernel, XLA's
-  division outside); and the chunk kernel loads the same float32 sub-chunk
-  blocks (shape, warps, alignment, masks) as log_softmax's row kernel over V
-  columns and folds them with the same function, the state passing between
-  chunks exactly through HBM. What is not guaranteed by construction is
-  Triton's choice of register layout, which the GPU tests check (V = 151,936,
-  128,256 and an odd V); on f32 inputs the GEMM uses TF32 on the GPU in both.
+  for every row. The GEMM's bits do not depend on which columns it computes.
+  XLA turns ``/ temperature`` into a multiplication by float32(1 / temperature)
+  (its algebraic simplifier rewrites a division by a scalar; seen with jax
+  0.10.2), so the chunk kernel multiplies by that same float32 reciprocal,
+  rounded on its own (``mul.rn.f32`` on the GPU; XLA before the launch in
+  interpret mode). And the chunk kernel loads the same float32 sub-chunk blocks
+  (shape, warps, row alignment, masks) as log_softmax's row kernel over V columns
+  and folds them with the same function; the state passes between chunks exactly
+  through HBM. Not guaranteed by construction: Triton's choice of register
+  layout (which fixes ``jnp.sum``'s tree), argued equal in
+  ``pallas_kernels.softmax`` and checked by the GPU test (V = 151,936, 128,256
+  and the odd 50,257), and XLA's division rewrite. On float32 inputs the GEMM uses
+  TF32 on the GPU in both.
 
   Gradients (``jax.grad``): per chunk, the logits are recomputed and a row
   kernel forms dlogits = g (onehot(token) - p) / temperature, rounded to the GEMM's
