@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["assert_batch_invariant", "assert_deterministic", "assert_bitwise_equal",
-           "bits", "relative_error"]
+           "bits", "random_normal", "relative_error"]
 
 
 def bits(x) -> np.ndarray:
@@ -30,6 +30,14 @@ def bits(x) -> np.ndarray:
   if x.dtype.kind in "fc" or x.dtype.name in ("bfloat16", "float16"):
     return x.view(f"u{x.dtype.itemsize}")
   return x
+
+
+def random_normal(seed: int | np.random.Generator, shape, dtype=jnp.float32) -> jax.Array:
+  """Standard-normal test input: drawn in float32 by NumPy (from a seed or a
+  ``np.random.Generator``), then cast to ``dtype``. The one input builder of
+  jdet's tests, checks and benchmarks."""
+  rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
 
 
 def relative_error(got, want) -> float:

@@ -24,6 +24,15 @@ def pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
+def lookup_tiles(table, size: int):
+  """The tiles of the first ``(largest size served, tiles)`` entry of ``table``
+  (sorted by size) that serves ``size``: the one shape of jdet's tile tables."""
+  for largest, tiles in table:
+    if size <= largest:
+      return tiles
+  raise ValueError(f"size {size} exceeds the largest this tile table serves ({table[-1][0]})")
+
+
 def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
@@ -148,7 +157,6 @@ def divide(x, y, *, native: bool):
   return _ptx_f32("div.rn.f32 $0, $1, $2;", x, y) if native else x / y
 
 
-
 def multiply(a, b):
   """Elementwise float32 ``a * b`` as one ``mul.rn.f32`` (GPU only): ptxas never
   contracts an instruction with an explicit rounding mode into a fused
@@ -163,6 +171,7 @@ __all__ = [
     "divide",
     "dot_f32",
     "load_block",
+    "lookup_tiles",
     "multiply",
     "multiply_add",
     "pad_axis",
