@@ -113,20 +113,25 @@ class Row:
     return self.baseline_us / self.jdet_us
 
 
-def _gpu_columns(case: BenchCase, jdet_us: float) -> dict[str, str]:
-  if not on_gpu():
-    return {}
-  extra = {"jdet TFLOP/s": "", "jdet / HBM floor": ""}
-  if case.flops:
+def gpu_columns() -> tuple[str, ...]:
+  """The columns that mean something only on a GPU (empty elsewhere)."""
+  return ("jdet TFLOP/s", "jdet / HBM floor") if on_gpu() else ()
+
+
+def _gpu_cells(case: BenchCase, jdet_us: float) -> dict[str, str]:
+  extra = dict.fromkeys(gpu_columns(), "")
+  if extra and case.flops:
     extra["jdet TFLOP/s"] = f"{case.flops / jdet_us / 1e6:.1f}"
-  if case.bytes_moved:
+  if extra and case.bytes_moved:
     floor_us = case.bytes_moved / H100_HBM_BYTES_PER_S * 1e6
     extra["jdet / HBM floor"] = f"{jdet_us / floor_us:.2f}x"
   return extra
 
 
-def run_cases(cases: Sequence[BenchCase], *, progress: bool = True) -> list[Row]:
-  """Times every case (a baseline shared by several cases is timed once)."""
+def run_cases(cases: Sequence[BenchCase], *, progress: bool = True,
+              on_row: Callable[[Row], None] | None = None) -> list[Row]:
+  """Times every case (a baseline shared by several cases is timed once); ``on_row``
+  sees each row as soon as it is measured."""
   rows, baseline_us = [], {}
   sets_key, sets = None, None  # one shape's input sets at a time, reused by its passes
   for i, case in enumerate(cases):
@@ -146,7 +151,9 @@ def run_cases(cases: Sequence[BenchCase], *, progress: bool = True) -> list[Row]
               file=sys.stderr)
         baseline_us[timed] = float("nan")
     rows.append(Row(case.op, case.case, case.pass_, jdet_us, case.baseline,
-                    baseline_us[timed], _gpu_columns(case, jdet_us)))
+                    baseline_us[timed], _gpu_cells(case, jdet_us)))
+    if on_row:
+      on_row(rows[-1])
   if progress:
     progress_bar(len(cases), len(cases), "done")
   return rows
@@ -166,11 +173,12 @@ def progress_bar(done: int, total: int, label: str) -> None:
   sys.stderr.flush()
 
 
-def markdown_table(rows: Sequence[Row]) -> str:
-  extra_keys = list(dict.fromkeys(k for r in rows for k in r.extra))
-  head = ["op", "case", "pass", "jdet us", "baseline", "baseline us",
-          "speed vs baseline", *extra_keys]
-  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+def markdown_table(rows: Sequence[Row], *, head: bool = True) -> str:
+  """The results table (``head=False``: its rows alone)."""
+  extra_keys = list(dict.fromkeys([*gpu_columns(), *(k for r in rows for k in r.extra)]))
+  columns = ["op", "case", "pass", "jdet us", "baseline", "baseline us",
+             "speed vs baseline", *extra_keys]
+  lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)] if head else []
   for r in rows:
     cells = [r.op, r.case, r.pass_, f"{r.jdet_us:.1f}", r.baseline, f"{r.baseline_us:.1f}",
              f"{r.speedup:.2f}x", *(r.extra.get(k, "") for k in extra_keys)]
@@ -228,10 +236,11 @@ def plot(rows: Sequence[Row], path: str) -> bool:
 
 
 def report(title: str, cases: Sequence[BenchCase]) -> list[Row]:
-  """A benchmark's output: the device line, the interpret warning, then one table."""
+  """A benchmark's output: the device line, the interpret warning, then one table
+  whose rows print as they are measured."""
   print(f"# {title} on {device_description()}")
   if interpret_warning():
     print(interpret_warning())
-  rows = run_cases(cases)
-  print(markdown_table(rows), flush=True)
-  return rows
+  print(markdown_table([]), flush=True)
+  return run_cases(cases, on_row=lambda row: print(markdown_table([row], head=False),
+                                                   flush=True))
