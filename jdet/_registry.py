@@ -302,6 +302,119 @@ def _tri_inverse_sharding(rng):
   return jdet.tri_inverse, gdn_chunk_matrices(jax.random.key(int(rng.integers(1 << 30))), 8, 16)
 
 
+
+# ---------------------------------------------------------------------------
+# dot_product_attention
+
+ATTENTION_HEADS = (32, 8, 128)  # N, K, H of the benchmarks (bf16)
+# (kind, B, T, S): causal prefill (T = S) and decode (T = 1 against a full cache).
+ATTENTION_BENCH = (("prefill", 1, 4096, 4096), ("prefill", 4, 4096, 4096),
+                   *(("decode", b, 1, s) for s in (4096, 32768) for b in (1, 8, 64)))
+ATTENTION_QUICK = (("prefill", 1, 32, 32), ("decode", 2, 1, 64))
+
+
+def _causal_attention(q, k, v):
+  return jdet.dot_product_attention(q, k, v, is_causal=True)
+
+
+def _attention_check(full):
+  b, t, n, kv, h = (8, 1024, 32, 8, 128) if full else (4, 20, 4, 2, 16)
+  q = random_normal(20, (b, t, n, h), jnp.bfloat16)
+  k, v = (random_normal(21 + i, (b, t, kv, h), jnp.bfloat16) for i in range(2))
+  ref = jdet.dot_product_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                                             v.astype(jnp.float32), is_causal=True)
+  def dq(fn):
+    return lambda q, k, v: jax.grad(lambda q: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2))(q)
+
+  reference = functools.partial(jdet.dot_product_attention_reference, is_causal=True)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  sizes = (1, 2, 3, 7) if full else (1, 2, 3)
+  return [Case("dot_product_attention", f"causal fwd bf16 q{q.shape} kv{k.shape}",
+               _causal_attention, (q, k, v), (0, 0, 0),
+               lambda: relative_error(_causal_attention(q, k, v).astype(jnp.float32), ref),
+               2e-2, sizes),
+          Case("dot_product_attention", "dq (grad of sum of squares)", dq(_causal_attention),
+               (q, k, v), (0, 0, 0),
+               lambda: relative_error(dq(_causal_attention)(*f32), dq(reference)(*f32)),
+               1e-4, sizes)]
+
+
+def _attention_bench(full):
+  n, kv, h = ATTENTION_HEADS
+  dtype = jnp.bfloat16
+  itemsize = jnp.dtype(dtype).itemsize
+  cases = []
+  for kind, b, t, s in ATTENTION_BENCH if full else ATTENTION_QUICK:
+    def make_args(seed, b=b, t=t, s=s):
+      return (random_normal(4 * seed, (b, t, n, h), dtype),
+              random_normal(4 * seed + 1, (b, s, kv, h), dtype),
+              random_normal(4 * seed + 2, (b, s, kv, h), dtype),
+              random_normal(4 * seed + 3, (b, t, n, h), dtype))
+    set_bytes = (2 * b * t * n + 2 * b * s * kv) * h * itemsize
+    label = f"{kind} B={b} T={t} S={s} N={n} K={kv} H={h}"
+    if kind == "prefill":
+      impl = _cudnn_or_xla(make_args(0))
+      theirs = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                 implementation=impl)
+      flops = 4.0 * b * n * t * s * h / 2  # causal: half the square
+      for pass_, wrap, passes in (("fwd", lambda f: _first_args(f, 3), 1.0),
+                                  ("fwd+bwd", _forward_and_backward, 3.5)):
+        cases.append(BenchCase("dot_product_attention", label, pass_,
+                               wrap(_causal_attention), f"jax.nn ({impl})", wrap(theirs),
+                               make_args, set_bytes, flops=flops * passes))
+    else:
+      lengths = jnp.full((b,), s, jnp.int32)
+      ours = functools.partial(jdet.dot_product_attention, key_value_seq_lengths=lengths)
+      theirs = functools.partial(jax.nn.dot_product_attention, key_value_seq_lengths=lengths,
+                                 implementation="xla")
+      cases.append(BenchCase("dot_product_attention", label, "fwd", _first_args(ours, 3),
+                             "jax.nn (xla)", _first_args(theirs, 3), make_args, set_bytes,
+                             bytes_moved=2.0 * b * s * kv * h * itemsize))
+  return cases
+
+
+def _cudnn_or_xla(args) -> str:
+  """"cudnn" where jax.nn's cuDNN attention compiles forward+backward, else "xla"."""
+  try:
+    fn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+    jax.jit(_forward_and_backward(fn)).lower(*args).compile()
+    return "cudnn"
+  except Exception:  # noqa: BLE001 - no GPU, no cuDNN, or an unsupported shape
+    return "xla"
+
+
+def _attention_sweep(rng):
+  b, s = int(rng.integers(1, 4)), int(rng.integers(1, 40))
+  kv = int(rng.choice([1, 2]))
+  n, h = kv * int(rng.choice([1, 2])), int(rng.choice([16, 32]))
+  dtype = DTYPES[rng.integers(len(DTYPES))]
+  q = random_normal(rng, (b, s, n, h), dtype)
+  k, v = (random_normal(rng, (b, s, kv, h), dtype) for _ in range(2))
+  lengths = jnp.asarray(rng.integers(0, s + 1, b), jnp.int32)
+  what = f"dot_product_attention {jnp.dtype(dtype).name} q{q.shape} kv{k.shape} {lengths}"
+  fn = functools.partial(jdet.dot_product_attention, is_causal=True,
+                         key_value_seq_lengths=lengths)
+  full = fn(q, k, v)
+  cut = int(rng.integers(1, s + 1))  # chunked prefill: queries [0, cut) then [cut, s)
+  first = jdet.dot_product_attention(q[:, :cut], k, v, is_causal=True,
+                                     key_value_seq_lengths=jnp.minimum(lengths, cut))
+  valid = np.arange(s)[None, :] < np.asarray(lengths)[:, None]
+  assert_bitwise_equal(np.where(valid[:, :cut, None, None], first, 0),
+                       np.where(valid[:, :cut, None, None], full[:, :cut], 0),
+                       what=f"{what}, chunk [0, {cut})")
+  ref = jdet.dot_product_attention_reference(q, k, v, is_causal=True,
+                                             key_value_seq_lengths=lengths)
+  tol = 1e-5 if dtype == jnp.float32 and jax.default_backend() != "gpu" else 2e-2
+  np.testing.assert_allclose(np.asarray(full, np.float32), np.asarray(ref, np.float32),
+                             rtol=tol, atol=tol, err_msg=what)
+
+
+def _attention_sharding(rng):
+  """One [B, T, N + 2K, H] input holding q, k and v (each sequence its own keys)."""
+  def fn(x):
+    return _causal_attention(x[:, :, :4], x[:, :, 4:6], x[:, :, 6:])
+  return fn, random_normal(rng, (8, 12, 8, 16))
+
 # ---------------------------------------------------------------------------
 # rms_norm
 
@@ -412,11 +525,208 @@ def _rms_norm_sharding(rng):
 
 
 # ---------------------------------------------------------------------------
+# softmax, log_softmax, logsumexp
+
+SOFTMAX_OPS = {"softmax": (jdet.softmax, jax.nn.softmax, jdet.softmax_reference),
+               "log_softmax": (jdet.log_softmax, jax.nn.log_softmax,
+                               jdet.log_softmax_reference),
+               "logsumexp": (jdet.logsumexp, functools.partial(jax.nn.logsumexp, axis=-1),
+                             jdet.logsumexp_reference)}
+# (rows, row length, dtype): the square 8192 x 8192 target, vocab-long rows (bf16
+# input, and the float32 logits token_logprobs's unfused twin normalises), short rows.
+SOFTMAX_BENCH = ((8192, 8192, jnp.float32), (8192, 8192, jnp.bfloat16),
+                 (8192, 151936, jnp.bfloat16), (8192, 151936, jnp.float32),
+                 (65536, 128, jnp.float32))
+SOFTMAX_QUICK = ((16, 300, jnp.float32),)  # CPU interpret: 3 sub-chunks a row
+
+
+def _softmax_float64(name, x):
+  x = np.asarray(x, np.float64)
+  top = x.max(-1, keepdims=True)
+  lse = top + np.log(np.exp(x - top).sum(-1, keepdims=True))
+  return {"softmax": np.exp(x - lse), "log_softmax": x - lse, "logsumexp": lse[..., 0]}[name]
+
+
+def _softmax_check(full):
+  m, n = (4096, 151936) if full else (24, 300)
+  x = random_normal(30, (m, n)) * 3
+  sizes = (1, 2, 3, 7, 17, 100, 1000) if full else (1, 7)
+  cases = []
+  for name, (fn, _, reference) in SOFTMAX_OPS.items():
+    cases.append(Case(name, f"fwd f32 [{m},{n}]", fn, (x,), (0,),
+                      lambda fn=fn, name=name: relative_error(fn(x), _softmax_float64(name, x)),
+                      2e-6, sizes))
+    cases.append(Case(name, "dx (grad of sum of squares)", _row_grad(fn), (x,), (0,),
+                      lambda fn=fn, reference=reference: relative_error(
+                          _row_grad(fn)(x), _row_grad(reference)(x)), 1e-5, sizes))
+  return cases
+
+
+def softmax_bench_cases(shapes, *, names=("softmax", "log_softmax")):
+  """Forward and forward+backward against jax.nn for (rows, length, dtype) shapes. The
+  HBM floor: read x, write y (forward); plus read x and dy, write dx (backward)."""
+  cases = []
+  for m, n, dtype in shapes:
+    array_bytes = m * n * jnp.dtype(dtype).itemsize
+
+    def make_args(seed, m=m, n=n, dtype=dtype):
+      return random_normal(2 * seed, (m, n), dtype), random_normal(2 * seed + 1, (m, n), dtype)
+
+    for name in names:
+      ours, xla, _ = SOFTMAX_OPS[name]
+      for pass_, wrap, moved in (("fwd", lambda f: _first_args(f, 1), 2 * array_bytes),
+                                 ("fwd+bwd", _forward_and_backward, 5 * array_bytes)):
+        cases.append(BenchCase(name, f"{m} x {n} {jnp.dtype(dtype).name}", pass_, wrap(ours),
+                               f"jax.nn.{name}", wrap(xla), make_args, 2 * array_bytes,
+                               bytes_moved=moved))
+  return cases
+
+
+def _softmax_bench(full):
+  return softmax_bench_cases(SOFTMAX_BENCH if full else SOFTMAX_QUICK)
+
+
+def _softmax_sweep(rng):
+  total, n = int(rng.integers(1, 40)), int(rng.integers(1, 600))
+  dtype = DTYPES[rng.integers(len(DTYPES))]
+  name = list(SOFTMAX_OPS)[rng.integers(len(SOFTMAX_OPS))]
+  fn = SOFTMAX_OPS[name][0]
+  x = random_normal(rng, _leading_dims(rng, total) + (n,), dtype) * 3
+  what = f"{name} {jnp.dtype(dtype).name} x{x.shape}"
+  rows = x.reshape(-1, n)
+  full = fn(rows)
+  cut = int(rng.integers(1, total)) if total > 1 else 1
+  parts = [fn(rows[:cut])] + ([fn(rows[cut:])] if cut < total else [])
+  assert_bitwise_equal(jnp.concatenate(parts), full, what=f"{what}, split at {cut}")
+  tol = {jnp.float32: 2e-6, jnp.bfloat16: 8e-3, jnp.float16: 1e-3}[dtype]
+  assert relative_error(fn(x).reshape(full.shape), _softmax_float64(name, rows)) <= tol, what
+
+
+def _softmax_sharding(rng):
+  return jdet.log_softmax, random_normal(rng, (16, 300))
+
+
+# ---------------------------------------------------------------------------
+# token_logprobs
+
+TOKEN_LOGPROBS_TEMPERATURE = 0.7
+# (T, D, V): the target LM head (a Qwen-sized vocab), a Llama-3 vocab, and decode.
+TOKEN_LOGPROBS_BENCH = ((8192, 4096, 151936), (8192, 4096, 128256), (64, 4096, 151936))
+TOKEN_LOGPROBS_QUICK = ((16, 64, 300),)
+
+
+def _token_logprobs(h, w, t):
+  return jdet.token_logprobs(h, w, t, temperature=TOKEN_LOGPROBS_TEMPERATURE)
+
+
+def _token_logprobs_unfused(h, w, t):
+  """The unfused jdet composition token_logprobs equals bitwise."""
+  logits = jdet.matmul(h, w, preferred_element_type=jnp.float32) / TOKEN_LOGPROBS_TEMPERATURE
+  return jnp.take_along_axis(jdet.log_softmax(logits), t[..., None], -1)[..., 0]
+
+
+def _token_logprobs_xla(h, w, t):
+  logits = jnp.dot(h, w, preferred_element_type=jnp.float32) / TOKEN_LOGPROBS_TEMPERATURE
+  return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), t[..., None], -1)[..., 0]
+
+
+def _token_logprobs_float64(h, w, t):
+  x = np.asarray(h, np.float64) @ np.asarray(w, np.float64) / TOKEN_LOGPROBS_TEMPERATURE
+  top = x.max(-1, keepdims=True)
+  lp = x - top - np.log(np.exp(x - top).sum(-1, keepdims=True))
+  return np.take_along_axis(lp, np.asarray(t)[..., None], -1)[..., 0]
+
+
+def _token_logprobs_inputs(seed, t_rows, d, vocab):
+  h = random_normal(3 * seed, (t_rows, d), jnp.bfloat16)
+  w = (random_normal(3 * seed + 1, (d, vocab)) * (2 / np.sqrt(d))).astype(jnp.bfloat16)
+  t = jnp.asarray(np.random.default_rng(3 * seed + 2).integers(0, vocab, (t_rows,)), jnp.int32)
+  return h, w, t
+
+
+def _token_logprobs_check(full):
+  t_rows, d, vocab = (4096, 4096, 151936) if full else (24, 40, 300)
+  h, w, t = _token_logprobs_inputs(0, t_rows, d, vocab)
+  sizes = (1, 2, 3, 7, 17, 100, 1000) if full else (1, 7)
+  dhidden = lambda h, w, t: _row_grad(_token_logprobs)(h, w, t)
+  h32, w32 = h.astype(jnp.float32), w.astype(jnp.float32)
+  reference_dh = jax.grad(lambda h: 0.5 * jnp.sum(jdet.token_logprobs_reference(
+      h, w32, t, temperature=TOKEN_LOGPROBS_TEMPERATURE) ** 2))
+  return [
+      Case("token_logprobs", f"fwd bf16 T={t_rows} D={d} V={vocab}", _token_logprobs,
+           (h, w, t), (0, None, 0),
+           lambda: relative_error(_token_logprobs(h, w, t), _token_logprobs_float64(h, w, t)),
+           1e-5, sizes),
+      Case("token_logprobs", "fused vs unfused jdet (error 0 = bitwise)", _token_logprobs,
+           (h, w, t), (0, None, 0),
+           lambda: relative_error(jax.jit(_token_logprobs)(h, w, t),
+                                  jax.jit(_token_logprobs_unfused)(h, w, t)), 0.0, sizes),
+      Case("token_logprobs", "dhidden (grad of sum of squares)", dhidden, (h, w, t),
+           (0, None, 0), lambda: relative_error(dhidden(h, w, t), reference_dh(h32)), 1e-2,
+           sizes),
+  ]
+
+
+def token_logprobs_bench_cases(shapes):
+  """Forward and forward+backward against XLA's dot + log_softmax + gather, bf16."""
+  cases = []
+  for t_rows, d, vocab in shapes:
+    def make_args(seed, t_rows=t_rows, d=d, vocab=vocab):
+      h, w, t = _token_logprobs_inputs(seed, t_rows, d, vocab)
+      return h, w, t, random_normal(3 * seed + 2, (t_rows,))
+
+    def forward(fn):
+      return lambda h, w, t, g: fn(h, w, t)
+
+    def forward_and_backward(fn):
+      def run(h, w, t, g):
+        out, vjp = jax.vjp(lambda h, w: fn(h, w, t), h, w)
+        return out, *vjp(g)
+      return run
+
+    for pass_, wrap, passes in (("fwd", forward, 1), ("fwd+bwd", forward_and_backward, 3)):
+      cases.append(BenchCase(
+          "token_logprobs", f"T={t_rows} D={d} V={vocab} bf16", pass_, wrap(_token_logprobs),
+          "XLA dot + log_softmax + gather", wrap(_token_logprobs_xla), make_args,
+          (t_rows * d + d * vocab) * 2, flops=2.0 * t_rows * d * vocab * passes))
+  return cases
+
+
+def _token_logprobs_bench(full):
+  return token_logprobs_bench_cases(TOKEN_LOGPROBS_BENCH if full else TOKEN_LOGPROBS_QUICK)
+
+
+def _token_logprobs_sweep(rng):
+  total, d, vocab = int(rng.integers(1, 30)), int(rng.integers(1, 70)), int(rng.integers(1, 400))
+  h, w, t = _token_logprobs_inputs(int(rng.integers(1 << 20)), total, d, vocab)
+  what = f"token_logprobs T={total} D={d} V={vocab}"
+  full = _token_logprobs(h, w, t)
+  cut = int(rng.integers(1, total)) if total > 1 else 1
+  parts = [_token_logprobs(h[:cut], w, t[:cut])] + (
+      [_token_logprobs(h[cut:], w, t[cut:])] if cut < total else [])
+  assert_bitwise_equal(jnp.concatenate(parts), full, what=f"{what}, split at {cut}")
+  assert_bitwise_equal(full, _token_logprobs_unfused(h, w, t), what=f"{what}: fused vs unfused")
+  assert relative_error(full, _token_logprobs_float64(h, w, t)) <= 1e-5, what
+
+
+def _token_logprobs_sharding(rng):
+  """Tokens from each row's own argmax (row-local), so only hidden is batched."""
+  w = random_normal(rng, (40, 300)).astype(jnp.bfloat16)
+  fn = lambda h, w: _token_logprobs(h, w, jax.lax.stop_gradient(jnp.argmax(h, axis=-1)))
+  return fn, random_normal(rng, (16, 40)).astype(jnp.bfloat16), w
+
+
+# ---------------------------------------------------------------------------
 
 OPS: dict[str, Op] = {op.name: op for op in (
     Op("matmul", _matmul_check, _matmul_bench, _matmul_sweep, _matmul_sharding),
     Op("rms_norm", _rms_norm_check, _rms_norm_bench, _rms_norm_sweep, _rms_norm_sharding),
     Op("sinkhorn", _sinkhorn_check, _sinkhorn_bench, _sinkhorn_sweep, _sinkhorn_sharding),
+    Op("softmax", _softmax_check, _softmax_bench, _softmax_sweep, _softmax_sharding),
+    Op("token_logprobs", _token_logprobs_check, _token_logprobs_bench, _token_logprobs_sweep,
+       _token_logprobs_sharding),
     Op("tri_inverse", _tri_inverse_check, _tri_inverse_bench, _tri_inverse_sweep,
        _tri_inverse_sharding),
+    Op("dot_product_attention", _attention_check, _attention_bench, _attention_sweep,
+       _attention_sharding),
 )}

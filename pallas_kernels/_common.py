@@ -147,13 +147,32 @@ def store_block(ref, value, rows=None, cols=None):
   pltriton.store(ref, value, mask=mask)
 
 
+def divide(x, y, *, native: bool):
+  """Elementwise float32 ``x / y`` rounded once (IEEE), inside a kernel; operands broadcast.
+
+  The Triton lowering of ``/`` on float32 is ``div.full.f32`` (approximate, up to
+  2 ulp), so ``native=True`` (GPU only) issues ``div.rn.f32``. Interpret mode
+  needs ``native=False``. Either way a value's bits depend on its operands alone.
+  """
+  return _ptx_f32("div.rn.f32 $0, $1, $2;", x, y) if native else x / y
+
+
+def multiply(a, b):
+  """Elementwise float32 ``a * b`` as one ``mul.rn.f32`` (GPU only): ptxas never
+  contracts an instruction with an explicit rounding mode into a fused
+  multiply-add, so the product is rounded on its own whatever follows it."""
+  return _ptx_f32("mul.rn.f32 $0, $1, $2;", a, b)
+
+
 __all__ = [
     "block_mask",
     "cdiv",
     "compiler_params",
+    "divide",
     "dot_f32",
     "load_block",
     "lookup_tiles",
+    "multiply",
     "multiply_add",
     "pad_axis",
     "reciprocal",
