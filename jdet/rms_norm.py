@@ -108,12 +108,10 @@ def _rms_norm_backward(config, saved, cotangents):
   g, g_total = cotangents  # g_total: None exactly when there is no residual
   h = normalized.shape[1]
   has_residual = g_total is not None
-  dx = kernels.rms_norm_dx(
+  dx, dweight = kernels.rms_norm_backward(
       normalized, weight, rstd, g, g_total,
-      tiles=kernels.rms_norm_tiles(h, interpret=config.interpret), interpret=config.interpret)
-  dweight = kernels.rms_norm_dweight(
-      normalized, rstd, g, out_dtype=weight.dtype,
-      tiles=kernels.dweight_tiles(h, interpret=config.interpret), interpret=config.interpret)
+      tiles=kernels.rms_norm_tiles(h, interpret=config.interpret),
+      sum_tiles=kernels.dweight_tiles(h, interpret=config.interpret), interpret=config.interpret)
   return dx, dx if has_residual else None, dweight
 
 

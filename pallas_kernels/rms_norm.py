@@ -1,8 +1,8 @@
 """Batch-invariant RMSNorm kernels, with a fused residual add.
 
-Numerics contract (what makes a row's bits independent of the batch): a program
-owns ``block_rows`` rows and walks each row in ``chunk``-wide column chunks in
-increasing order. The sum of squares (forward) and the sum of
+Numerics contract (what makes a row's bits independent of the batch): rows are
+handled in blocks of ``block_rows`` and each row is walked in ``chunk``-wide
+column chunks in increasing order. The sum of squares (forward) and the sum of
 ``(g * w) * xhat`` (backward) are accumulated elementwise into one
 [block_rows, chunk] float32 array, chunk after chunk, and that array is reduced
 along its columns once at the end. Rows never mix: a row's bits depend on its
@@ -18,17 +18,21 @@ also returned). Backward: ``xhat = h * rstd`` (the forward's bits),
 cotangent of the returned sum, in float32, rounded once).
 
 The weight gradient ``dw = sum over rows of g * xhat`` is reduced over rows in a
-fixed order: rows are cut into fixed chunks of ``chunk_rows`` (by absolute row
-index), each chunk is walked in ``row_step``-row steps accumulated elementwise
-into a [row_step, block_cols] float32 array and reduced over its rows once; a
-second kernel adds the chunks' partial sums in chunk order. Missing rows read
-as zero and add exact zeros, so appending rows whose cotangent is zero leaves
-``dw`` bitwise unchanged.
+fixed order, inside the dx kernel, which reads each row once: a dx program owns
+a fixed chunk of ``chunk_rows`` rows (by absolute row index) and walks it in
+row blocks in increasing order, adding each block's ``g * xhat`` elementwise
+into [block_rows, chunk] float32 arrays (one per column chunk); at the end it
+reduces them over their rows into the chunk's partial row. Only this partial
+mixes rows; a row's dh is the same whichever chunk holds it. A second kernel
+adds the partials in chunk order: partial p goes into slot ``p % row_step`` of a
+[row_step, block_cols] float32 array, the slots reduced once at the end. Missing
+rows and partials read as zero and add exact zeros, so appending rows whose
+cotangent is zero leaves ``dw`` bitwise unchanged.
 
 Kernels:
   * :func:`rms_norm_forward_kernel` - y (and the sum h) and each row's rstd.
-  * :func:`rms_norm_dx_kernel` - dh (= dx = dresidual).
-  * :func:`rms_norm_dweight_partial_kernel` / :func:`rms_norm_dweight_sum_kernel`.
+  * :func:`rms_norm_dx_kernel` - dh (= dx = dresidual) and the chunk's dw partial.
+  * :func:`rms_norm_dweight_sum_kernel` - dw from the partials.
 """
 
 from __future__ import annotations
@@ -48,61 +52,70 @@ from pallas_kernels._common import (block_mask, cdiv, compiler_params, load_bloc
 
 @dataclasses.dataclass(frozen=True)
 class RmsNormTiles:
-  """Rows per program, columns per chunk (a power of two) and Triton warps of the
-  forward and dx kernels. A row of at most ``chunk`` columns is read once and kept
-  in registers; a longer one is read twice (the second pass mostly from L2)."""
+  """Rows per row block, columns per chunk (a power of two) and Triton warps of the
+  forward and dx kernels, and rows per dx program (``chunk_rows``, a multiple of
+  ``block_rows``: the chunk whose dweight partial one program sums). A row of at
+  most ``chunk`` columns is read once and kept in registers; a longer one is read
+  twice (the second pass mostly from L2)."""
   block_rows: int
   chunk: int
   num_warps: int
+  chunk_rows: int
 
 
 @dataclasses.dataclass(frozen=True)
 class DweightTiles:
-  """Columns per program, rows per step, rows per chunk (a multiple of
-  ``row_step``), Triton warps and pipeline stages (how many steps' loads are in
-  flight; never the sums) of the weight-gradient kernels."""
+  """Columns per program, partials per step (a power of two), Triton warps and
+  pipeline stages (how many steps' loads are in flight; never the sums) of the
+  kernel adding the dweight partials."""
   block_cols: int
   row_step: int
-  chunk_rows: int
   num_warps: int
   num_stages: int
 
 
-# GPU rule (not measured yet; written for the H100's memory-bound regime): a row
-# of up to GPU_MAX_CHUNK columns sits in registers and is read once; a program
-# covers about GPU_ROW_BLOCK_ELEMENTS elements (several rows when H is small, so
-# small H still fills the GPU with few, full programs), with one warp per 512
-# elements (16 a thread, two 16-byte bf16 loads), at most 16.
-GPU_MAX_CHUNK = 16384
+# GPU rule (written for the H100's memory-bound regime): a row of up to
+# GPU_MAX_CHUNK columns sits in registers and is read once; a program covers
+# about GPU_ROW_BLOCK_ELEMENTS elements (several rows when H is small, so small H
+# still fills the GPU with few, full programs), with one warp per 512 elements
+# (16 a thread, two 16-byte bf16 loads), at most 16. The H100 measured a resident
+# 16384-column row (16 warps, 32 values a thread: one program per SM by
+# registers) at 0.74x of XLA's forward while 8192 columns ran at 1.0x: longer
+# rows go in 8192-column chunks, 16 values a thread, read twice.
+GPU_MAX_CHUNK = 8192
 GPU_ROW_BLOCK_ELEMENTS = 4096
 GPU_ELEMENTS_PER_WARP = 512
 GPU_MAX_WARPS = 16
-# dw: 128 columns x 64-row steps, 1024-row chunks, so even small H with many rows
-# gives cdiv(H, 128) * cdiv(M, 1024) programs.
-GPU_DWEIGHT_TILES = DweightTiles(block_cols=128, row_step=64, chunk_rows=1024, num_warps=4,
-                                 num_stages=3)
+# A dx program walks 8 row blocks: 8 rows at H >= 4096, so M = 256 still runs 32
+# programs, and the partials (one float32 row per 8 rows) cost 1/6 of dx's bf16
+# traffic, written once and read once.
+GPU_DX_STEPS = 8
+# The partial sum: 64 columns x 128-partial steps, so M = 8192 at H = 8192 (1024
+# partials) is 128 programs of 8 steps.
+GPU_DWEIGHT_TILES = DweightTiles(block_cols=64, row_step=128, num_warps=8, num_stages=3)
 
 # Interpret mode (CPU): small chunks and row blocks so that the CPU tests walk
-# rows in several chunks and several row blocks with tiny shapes.
+# rows in several chunks, row blocks and partial steps with tiny shapes.
 INTERPRET_MAX_CHUNK = 128
 INTERPRET_BLOCK_ROWS = 8
-INTERPRET_DWEIGHT_TILES = DweightTiles(block_cols=32, row_step=8, chunk_rows=16, num_warps=4,
-                                       num_stages=1)
+INTERPRET_DX_STEPS = 2
+INTERPRET_DWEIGHT_TILES = DweightTiles(block_cols=32, row_step=2, num_warps=4, num_stages=1)
 
 
 def rms_norm_tiles(h: int, *, interpret: bool) -> RmsNormTiles:
   """Forward/dx tiles for rows of ``h`` features; a function of ``h`` only."""
   width = pl.next_power_of_2(h)
   if interpret:
-    return RmsNormTiles(INTERPRET_BLOCK_ROWS, min(width, INTERPRET_MAX_CHUNK), 4)
+    return RmsNormTiles(INTERPRET_BLOCK_ROWS, min(width, INTERPRET_MAX_CHUNK), 4,
+                        INTERPRET_DX_STEPS * INTERPRET_BLOCK_ROWS)
   chunk = min(width, GPU_MAX_CHUNK)
   block_rows = max(1, GPU_ROW_BLOCK_ELEMENTS // chunk)
   warps = min(GPU_MAX_WARPS, max(1, block_rows * chunk // GPU_ELEMENTS_PER_WARP))
-  return RmsNormTiles(block_rows, chunk, warps)
+  return RmsNormTiles(block_rows, chunk, warps, GPU_DX_STEPS * block_rows)
 
 
 def dweight_tiles(h: int, *, interpret: bool) -> DweightTiles:
-  """Weight-gradient tiles for ``h`` features; a function of ``h`` only."""
+  """Tiles of the partials' sum for ``h`` features; a function of ``h`` only."""
   tiles = INTERPRET_DWEIGHT_TILES if interpret else GPU_DWEIGHT_TILES
   return dataclasses.replace(tiles, block_cols=min(tiles.block_cols, pl.next_power_of_2(h)))
 
@@ -133,9 +146,10 @@ def _row_mask(block_rows: int, m: int):
   return block_mask(pl.program_id(0) * block_rows, block_rows, m)
 
 
-def _chunks(rows, h: int, chunk: int):
-  """(read, read_weight, write) for chunk k of a row block: float32 reads,
-  zero outside the array; writes skip what lies outside."""
+def _chunks(rows, h: int, chunk: int, row_span=slice(None)):
+  """(read, write, read_vector, write_vector) for chunk k of the rows ``row_span``
+  of a block, or of a 1-D block: float32 reads, zero outside the array; writes
+  skip what lies outside."""
 
   def columns(k):
     start = k * chunk if isinstance(k, int) else pl.multiple_of(k * chunk, chunk)
@@ -143,17 +157,21 @@ def _chunks(rows, h: int, chunk: int):
 
   def read(ref, k):
     span, cols = columns(k)
-    return load_block(ref.at[:, span], rows=rows, cols=cols).astype(jnp.float32)
-
-  def read_weight(ref, k):
-    span, cols = columns(k)
-    return _load_vector(ref.at[span], cols)[None, :]
+    return load_block(ref.at[row_span, span], rows=rows, cols=cols).astype(jnp.float32)
 
   def write(ref, k, value):
     span, cols = columns(k)
-    store_block(ref.at[:, span], value.astype(ref.dtype), rows=rows, cols=cols)
+    store_block(ref.at[row_span, span], value.astype(ref.dtype), rows=rows, cols=cols)
 
-  return read, read_weight, write
+  def read_vector(ref, k):
+    span, cols = columns(k)
+    return _load_vector(ref.at[span], cols)
+
+  def write_vector(ref, k, value):
+    span, cols = columns(k)
+    _store_vector(ref.at[span], value, cols)
+
+  return read, write, read_vector, write_vector
 
 
 def _row_sums(terms, count: int, block_rows: int, chunk: int):
@@ -199,7 +217,7 @@ def rms_norm_forward_kernel(*refs, h: int, m: int, eps: float, chunk: int,
   block_rows = x_ref.shape[0]
   count = cdiv(h, chunk)
   rows = _row_mask(block_rows, m)
-  read, read_weight, write = _chunks(rows, h, chunk)
+  read, write, read_vector, _ = _chunks(rows, h, chunk)
 
   def load_input(k):  # x, or x + r rounded to x's dtype
     x = read(x_ref, k)
@@ -218,99 +236,102 @@ def rms_norm_forward_kernel(*refs, h: int, m: int, eps: float, chunk: int,
   rstd = lax.rsqrt(_row_sums(squares, count, block_rows, chunk) / h + eps)
   _store_vector(rstd_ref, rstd, rows)
   _for_each_chunk(
-      lambda k: write(y_ref, k, (chunk_input(k) * rstd[:, None]) * read_weight(w_ref, k)),
+      lambda k: write(y_ref, k, (chunk_input(k) * rstd[:, None]) * read_vector(w_ref, k)[None, :]),
       count)
 
 
-def rms_norm_dx_kernel(*refs, h: int, m: int, chunk: int, has_sum_cotangent: bool):
-  """refs: h, weight, rstd, g, [g_sum,] then dh.
+def rms_norm_dx_kernel(*refs, h: int, m: int, block_rows: int, chunk: int,
+                       has_sum_cotangent: bool):
+  """One chunk of rows: dh, row block by row block, and the chunk's dw partial.
 
-  h (the normalised input), g (cotangent of y), g_sum (cotangent of the
-  returned sum), dh: [block_rows, chunks * chunk] blocks; weight:
-  [chunks * chunk]; rstd: [block_rows] float32.
+  refs: h, weight, rstd, g, [g_sum,] then dh, partial. h (the normalised
+  input), g (cotangent of y), g_sum (cotangent of the returned sum), dh:
+  [chunk_rows, chunks * chunk] blocks; weight: [chunks * chunk]; rstd:
+  [chunk_rows] float32; partial: [chunks * chunk] float32, the sum over the
+  chunk's rows of ``g * xhat``.
   """
   if has_sum_cotangent:
-    x_ref, w_ref, rstd_ref, g_ref, gs_ref, dx_ref = refs
+    x_ref, w_ref, rstd_ref, g_ref, gs_ref, dx_ref, p_ref = refs
   else:
-    x_ref, w_ref, rstd_ref, g_ref, dx_ref = refs
-  block_rows = x_ref.shape[0]
+    x_ref, w_ref, rstd_ref, g_ref, dx_ref, p_ref = refs
+  chunk_rows = x_ref.shape[0]
   count = cdiv(h, chunk)
-  rows = _row_mask(block_rows, m)
-  read, read_weight, write = _chunks(rows, h, chunk)
-  rstd = _load_vector(rstd_ref, rows)[:, None]
-  chunk_terms = _resident(  # (xhat, g * w) of chunk k
-      lambda k: (read(x_ref, k) * rstd, read(g_ref, k) * read_weight(w_ref, k)), count)
+  first_row = pl.program_id(0) * chunk_rows
 
-  def products(k):
-    xhat, gw = chunk_terms(k)
-    return gw * xhat
+  def step(s, sums):  # sums: per column chunk, [block_rows, chunk] sums of g * xhat
+    start = pl.multiple_of(s * block_rows, block_rows)
+    rows = block_mask(first_row + start, block_rows, m)
+    read, write, read_vector, _ = _chunks(rows, h, chunk, pl.ds(start, block_rows))
+    rstd = _load_vector(rstd_ref.at[pl.ds(start, block_rows)], rows)[:, None]
 
-  c = (_row_sums(products, count, block_rows, chunk) / h)[:, None]
+    def load_terms(k):  # (xhat, g, g * w) of chunk k
+      g = read(g_ref, k)
+      return read(x_ref, k) * rstd, g, g * read_vector(w_ref, k)[None, :]
 
-  def out(k):
-    xhat, gw = chunk_terms(k)
-    dx = rstd * (gw - xhat * c)
-    if has_sum_cotangent:
-      dx = dx + read(gs_ref, k)
-    write(dx_ref, k, dx)
+    chunk_terms = _resident(load_terms, count)
 
-  _for_each_chunk(out, count)
+    def products(k):
+      xhat, _, gw = chunk_terms(k)
+      return gw * xhat
+
+    c = (_row_sums(products, count, block_rows, chunk) / h)[:, None]
+    updated = []
+    for k in range(count):  # unrolled: sums[k] needs a static k
+      xhat, g, gw = chunk_terms(k)
+      dx = rstd * (gw - xhat * c)
+      if has_sum_cotangent:
+        dx = dx + read(gs_ref, k)
+      write(dx_ref, k, dx)
+      updated.append(sums[k] + g * xhat)
+    return tuple(updated)
+
+  # Row blocks past the last row would add exact zeros; skip them.
+  steps = jnp.minimum(chunk_rows // block_rows, cdiv(m - first_row, block_rows))
+  sums = lax.fori_loop(0, steps, step, (jnp.zeros((block_rows, chunk), jnp.float32),) * count)
+  write_vector = _chunks(None, h, chunk)[3]
+  for k, total in enumerate(sums):
+    write_vector(p_ref, k, jnp.sum(total, axis=0))
 
 
-def rms_norm_dweight_partial_kernel(x_ref, rstd_ref, g_ref, p_ref, *, h: int, m: int,
-                                    row_step: int):
-  """One chunk of rows' ``sum g * xhat`` over ``block_cols`` columns.
+def rms_norm_dweight_sum_kernel(p_ref, dw_ref, *, h: int, count: int, row_step: int):
+  """dw over ``block_cols`` columns from the ``count`` chunks' partials: partial p
+  added into slot ``p % row_step`` in chunk order, the slots added at the end.
 
-  x_ref, g_ref: [chunk_rows, block_cols]; rstd_ref: [chunk_rows] float32;
-  p_ref: [block_cols] float32, the chunk's partial sum.
+  p_ref: [cdiv(count, row_step) * row_step, block_cols] float32 (rows past
+  ``count`` are not read); dw_ref: [block_cols] (weight's dtype).
   """
-  chunk_rows, block_cols = x_ref.shape
-  first_row = pl.program_id(1) * chunk_rows
+  block_cols = p_ref.shape[1]
   cols = block_mask(pl.program_id(0) * block_cols, block_cols, h) if h % block_cols else None
-  # Steps past the last row would add exact zeros; skip them.
-  steps = jnp.minimum(chunk_rows // row_step, cdiv(m - first_row, row_step))
 
   def step(s, acc):
     start = pl.multiple_of(s * row_step, row_step)
-    rows = block_mask(first_row + start, row_step, m)
-    x = load_block(x_ref.at[pl.ds(start, row_step), :], rows=rows, cols=cols)
-    g = load_block(g_ref.at[pl.ds(start, row_step), :], rows=rows, cols=cols)
-    rstd = _load_vector(rstd_ref.at[pl.ds(start, row_step)], rows)[:, None]
-    return acc + g.astype(jnp.float32) * (x.astype(jnp.float32) * rstd)
+    rows = block_mask(start, row_step, count)
+    return acc + load_block(p_ref.at[pl.ds(start, row_step), :], rows=rows, cols=cols)
 
-  acc = lax.fori_loop(0, steps, step, jnp.zeros((row_step, block_cols), jnp.float32))
-  _store_vector(p_ref, jnp.sum(acc, axis=0), cols)
-
-
-def rms_norm_dweight_sum_kernel(p_ref, dw_ref, *, h: int):
-  """dw over ``block_cols`` columns: the chunks' partial sums added in chunk order.
-
-  p_ref: [chunks, block_cols] float32; dw_ref: [block_cols] (weight's dtype).
-  """
-  count, block_cols = p_ref.shape
-  cols = block_mask(pl.program_id(0) * block_cols, block_cols, h) if h % block_cols else None
-  total = lax.fori_loop(0, count, lambda c, acc: acc + _load_vector(p_ref.at[c], cols),
-                        jnp.zeros((block_cols,), jnp.float32))
-  _store_vector(dw_ref, total, cols)
+  acc = lax.fori_loop(0, cdiv(count, row_step), step,
+                      jnp.zeros((row_step, block_cols), jnp.float32))
+  _store_vector(dw_ref, jnp.sum(acc, axis=0), cols)
 
 
 # ---------------------------------------------------------------------------
 # Launchers: unpadded [M, H] rows and an [H] weight.
 
 
-def _row_call(kernel, inputs, outputs, *, tiles: RmsNormTiles, interpret: bool, name: str):
-  """Runs a row kernel over row blocks. ``inputs``/``outputs`` are (kind, array or
-  ShapeDtypeStruct) pairs; kind "rows" ([M, H], a row block), "weight" ([H],
-  whole) or "rstd" ([M], a row block)."""
+def _row_call(kernel, inputs, outputs, *, tiles: RmsNormTiles, rows: int, interpret: bool,
+              name: str):
+  """Runs a row kernel with one program per ``rows`` rows. ``inputs``/``outputs``
+  are (kind, array or ShapeDtypeStruct) pairs; kind "rows" ([M, H], a row block),
+  "weight" ([H], whole), "rstd" ([M], a row block) or "partial" ([programs, H],
+  the program's row)."""
   m, h = inputs[0][1].shape
   width = cdiv(h, tiles.chunk) * tiles.chunk
-  br = tiles.block_rows
-  specs = {"rows": pl.BlockSpec((br, width), lambda i: (i, 0)),
+  specs = {"rows": pl.BlockSpec((rows, width), lambda i: (i, 0)),
            "weight": pl.BlockSpec((width,), lambda i: (0,)),
-           "rstd": pl.BlockSpec((br,), lambda i: (i,))}
+           "rstd": pl.BlockSpec((rows,), lambda i: (i,)),
+           "partial": pl.BlockSpec((None, width), lambda i: (i, 0))}
   return pl.pallas_call(
       kernel,
-      grid=(cdiv(m, br),),
+      grid=(cdiv(m, rows),),
       in_specs=[specs[kind] for kind, _ in inputs],
       out_specs=[specs[kind] for kind, _ in outputs],
       out_shape=[o for _, o in outputs],
@@ -336,54 +357,42 @@ def rms_norm_forward(x, weight, residual=None, *, eps: float, tiles: RmsNormTile
                                                                                 jnp.float32))]
   kernel = functools.partial(rms_norm_forward_kernel, h=h, m=m, eps=eps, chunk=tiles.chunk,
                              has_residual=has_residual)
-  results = _row_call(kernel, inputs, outputs, tiles=tiles, interpret=interpret,
+  results = _row_call(kernel, inputs, outputs, tiles=tiles, rows=tiles.block_rows,
+                      interpret=interpret,
                       name="jdet_add_rms_norm" if has_residual else "jdet_rms_norm")
   return results[0], results[1] if has_residual else None, results[-1]
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "interpret"))
-def rms_norm_dx(x, weight, rstd, g, g_sum=None, *, tiles: RmsNormTiles, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("tiles", "sum_tiles", "interpret"))
+def rms_norm_backward(x, weight, rstd, g, g_sum=None, *, tiles: RmsNormTiles,
+                      sum_tiles: DweightTiles, interpret: bool):
   """x: [M, H] the normalised input; weight: [H]; rstd: [M] float32; g, g_sum:
   [M, H] cotangents of y and of the returned sum (g_sum may be None).
-  Returns dx [M, H] in x's dtype."""
+
+  Returns (dx, dw): dx [M, H] in x's dtype; dw = sum over rows of g * (x * rstd),
+  [H] in weight's dtype, reduced over rows in the fixed order of the module
+  docstring.
+  """
   m, h = x.shape
   has_sum = g_sum is not None
+  chunks = cdiv(m, tiles.chunk_rows)
   inputs = [("rows", x), ("weight", weight), ("rstd", rstd), ("rows", g)]
   inputs += [("rows", g_sum)] if has_sum else []
-  kernel = functools.partial(rms_norm_dx_kernel, h=h, m=m, chunk=tiles.chunk,
-                             has_sum_cotangent=has_sum)
-  (dx,) = _row_call(kernel, inputs, [("rows", jax.ShapeDtypeStruct((m, h), x.dtype))],
-                    tiles=tiles, interpret=interpret, name="jdet_rms_norm_dx")
-  return dx
-
-
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tiles", "interpret"))
-def rms_norm_dweight(x, rstd, g, *, out_dtype, tiles: DweightTiles, interpret: bool):
-  """x, g: [M, H]; rstd: [M] float32. Returns dw = sum over rows of g * (x * rstd),
-  [H] in ``out_dtype``, reduced over rows in the fixed order of the module docstring."""
-  m, h = x.shape
-  bc, rc = tiles.block_cols, tiles.chunk_rows
-  col_blocks, chunks = cdiv(h, bc), cdiv(m, rc)
-  params = compiler_params(tiles.num_warps, tiles.num_stages)
-  partials = pl.pallas_call(
-      functools.partial(rms_norm_dweight_partial_kernel, h=h, m=m, row_step=tiles.row_step),
-      grid=(col_blocks, chunks),
-      in_specs=[pl.BlockSpec((rc, bc), lambda j, c: (c, j)),
-                pl.BlockSpec((rc,), lambda j, c: (c,)),
-                pl.BlockSpec((rc, bc), lambda j, c: (c, j))],
-      out_specs=pl.BlockSpec((None, bc), lambda j, c: (c, j)),
-      out_shape=jax.ShapeDtypeStruct((chunks, h), jnp.float32),
-      compiler_params=params,
-      interpret=interpret,
-      name="jdet_rms_norm_dweight_partial",
-  )(x, rstd, g)
-  return pl.pallas_call(
-      functools.partial(rms_norm_dweight_sum_kernel, h=h),
-      grid=(col_blocks,),
-      in_specs=[pl.BlockSpec((chunks, bc), lambda j: (0, j))],
+  outputs = [("rows", jax.ShapeDtypeStruct((m, h), x.dtype)),
+             ("partial", jax.ShapeDtypeStruct((chunks, h), jnp.float32))]
+  kernel = functools.partial(rms_norm_dx_kernel, h=h, m=m, block_rows=tiles.block_rows,
+                             chunk=tiles.chunk, has_sum_cotangent=has_sum)
+  dx, partials = _row_call(kernel, inputs, outputs, tiles=tiles, rows=tiles.chunk_rows,
+                           interpret=interpret, name="jdet_rms_norm_dx")
+  bc, step = sum_tiles.block_cols, sum_tiles.row_step
+  dw = pl.pallas_call(
+      functools.partial(rms_norm_dweight_sum_kernel, h=h, count=chunks, row_step=step),
+      grid=(cdiv(h, bc),),
+      in_specs=[pl.BlockSpec((cdiv(chunks, step) * step, bc), lambda j: (0, j))],
       out_specs=pl.BlockSpec((bc,), lambda j: (j,)),
-      out_shape=jax.ShapeDtypeStruct((h,), out_dtype),
-      compiler_params=params,
+      out_shape=jax.ShapeDtypeStruct((h,), weight.dtype),
+      compiler_params=compiler_params(sum_tiles.num_warps, sum_tiles.num_stages),
       interpret=interpret,
       name="jdet_rms_norm_dweight",
   )(partials)
+  return dx, dw
