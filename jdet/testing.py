@@ -337,8 +337,13 @@ def _frames(eqn):
 
 
 def _reduces(eqn) -> bool:
-  """False for the sums that add a single element (exact): over size-1 axes."""
+  """False where the arithmetic is exact in any order: integer or boolean results, and
+  sums of a single element (over size-1 axes)."""
   name = eqn.primitive.name
+  if name not in ("sort", "top_k", "approx_top_k") and not any(
+      jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.outvars
+      if hasattr(v.aval, "dtype")):
+    return False
   if name in ("reduce_sum", "reduce_prod"):
     shape = eqn.invars[0].aval.shape
     return int(np.prod([shape[a] for a in eqn.params["axes"]], dtype=np.int64)) > 1
