@@ -51,12 +51,12 @@ def test_chunked_prefill_and_decode_follow_the_training_forward():
 def test_logprobs_are_the_log_softmax_of_the_next_token():
   params = llama.init_params(jax.random.key(0), CONFIG)
   tokens = jax.random.randint(jax.random.key(2), (2, 5), 0, CONFIG.vocab)
-  hidden = llama.forward(params, tokens, CONFIG, ops="xla")
+  hidden = _jit(llama.forward, "xla")(params, tokens)
   logits = np.asarray(hidden, np.float64) @ np.asarray(params["lm_head"], np.float64)
   logits -= logits.max(-1, keepdims=True)
   logp = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
   want = np.take_along_axis(logp[:, :-1], np.asarray(tokens)[:, 1:, None], -1)[..., 0]
-  np.testing.assert_allclose(llama.logprobs(params, tokens, CONFIG, ops="xla"), want,
+  np.testing.assert_allclose(_jit(llama.logprobs, "xla")(params, tokens), want,
                              rtol=1e-5, atol=1e-5)
 
 

@@ -198,12 +198,24 @@ def _ops(ops: str) -> Ops:
 # ---------------------------------------------------------------- the model
 
 
+_ROPE_BLOCK = 1024
+
+
 @functools.lru_cache(maxsize=None)
 def _rope_table(head_dim: int, theta: float, length: int) -> tuple[np.ndarray, np.ndarray]:
-  """cos and sin [length, head_dim / 2] of position x frequency, in float64, rounded once."""
+  """cos and sin [length, head_dim / 2] of position x frequency, in float64, rounded once.
+
+  NumPy evaluates cos/sin in SIMD lanes with a different tail path, so the table is
+  built in blocks of one shape: a position's entry is computed the same way in a table
+  of any length.
+  """
   inv_freq = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-  angles = np.arange(length, dtype=np.float64)[:, None] * inv_freq[None, :]
-  return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+  blocks = -(-length // _ROPE_BLOCK)
+  angles = np.arange(blocks * _ROPE_BLOCK, dtype=np.float64).reshape(blocks, _ROPE_BLOCK, 1)
+  angles = angles * inv_freq
+  cos = np.concatenate([np.cos(block) for block in angles])[:length]
+  sin = np.concatenate([np.sin(block) for block in angles])[:length]
+  return cos.astype(np.float32), sin.astype(np.float32)
 
 
 def _rope(x, cos, sin):

@@ -238,7 +238,8 @@ def run_ops(params, setup: Setup, ops: str, *, gradients: bool) -> dict:
          "layouts": {}, "mismatches": 0, "max_abs_diff": 0.0}
   for batch_size, extra in setup.layouts:
     order = range(len(samples)) if batch_size == 0 else rng.permutation(len(samples)).tolist()
-    label = f"{'all' if batch_size == 0 else batch_size} per batch, +{extra} padding"
+    label = (f"{'one batch' if batch_size == 0 else f'shuffled batches of {batch_size}'}"
+             f", +{extra} padding")
     mismatches, diff = _compare(samples, recompute(params, samples, setup, ops, batch_size,
                                                    extra, order))
     out["layouts"][label] = mismatches
