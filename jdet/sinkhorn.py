@@ -125,12 +125,12 @@ def _sinkhorn(logits, config: _SinkhornConfig):
       tiles=_forward_tiles(config), interpret=config.interpret)
 
 
-def _sinkhorn_fwd(logits, config):
+def _sinkhorn_forward(logits, config):
   out = _sinkhorn(logits, config)
   return out, (out if config.grad == "implicit" else logits)
 
 
-def _sinkhorn_bwd(config, saved, cotangent):
+def _sinkhorn_backward(config, saved, cotangent):
   cotangent = cotangent.astype(jnp.float32)
   if config.grad == "implicit":
     implicit = functools.partial(kernels.sinkhorn_implicit_backward, out_dtype=config.dtype,
@@ -149,7 +149,7 @@ def _sinkhorn_bwd(config, saved, cotangent):
   return (dlogits,)
 
 
-_sinkhorn.defvjp(_sinkhorn_fwd, _sinkhorn_bwd)
+_sinkhorn.defvjp(_sinkhorn_forward, _sinkhorn_backward)
 
 
 def sinkhorn_residual(r):

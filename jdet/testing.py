@@ -29,7 +29,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 __all__ = ["assert_batch_invariant", "assert_deterministic", "assert_bitwise_equal",
-           "audit", "Finding", "bits", "relative_error"]
+           "audit", "Finding", "bits", "random_normal", "relative_error"]
 
 
 def bits(x) -> np.ndarray:
@@ -38,6 +38,14 @@ def bits(x) -> np.ndarray:
   if x.dtype.kind in "fc" or x.dtype.name in ("bfloat16", "float16"):
     return x.view(f"u{x.dtype.itemsize}")
   return x
+
+
+def random_normal(seed: int | np.random.Generator, shape, dtype=jnp.float32) -> jax.Array:
+  """Standard-normal test input: drawn in float32 by NumPy (from a seed or a
+  ``np.random.Generator``), then cast to ``dtype``. The one input builder of
+  jdet's tests, checks and benchmarks."""
+  rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
 
 
 def relative_error(got, want) -> float:

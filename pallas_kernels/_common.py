@@ -24,6 +24,15 @@ def pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
+def lookup_tiles(table, size: int):
+  """The tiles of the first ``(largest size served, tiles)`` entry of ``table``
+  (sorted by size) that serves ``size``: the one shape of jdet's tile tables."""
+  for largest, tiles in table:
+    if size <= largest:
+      return tiles
+  raise ValueError(f"size {size} exceeds the largest this tile table serves ({table[-1][0]})")
+
+
 def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
@@ -144,6 +153,7 @@ __all__ = [
     "compiler_params",
     "dot_f32",
     "load_block",
+    "lookup_tiles",
     "multiply_add",
     "pad_axis",
     "reciprocal",
