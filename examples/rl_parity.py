@@ -19,8 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import jax
-
+from jdet.bench import on_gpu
 from jdet.models import parity
 
 
@@ -28,7 +27,7 @@ def main(config: str | None = None) -> dict:
   """Runs the check (``config``: "cpu", "gpu", or None for this backend) and returns
   its outcomes (see :func:`jdet.models.parity.parity_check`)."""
   if config is None:
-    config = "gpu" if jax.default_backend() == "gpu" else "cpu"
+    config = "gpu" if on_gpu() else "cpu"
   return parity.parity_check(config)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jdet.models import llama, parity
-from tests.conftest import ON_GPU
+from jdet.bench import on_gpu
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG = llama.CONFIGS["cpu"]
@@ -60,7 +60,7 @@ def test_logprobs_are_the_log_softmax_of_the_next_token():
                              rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(ON_GPU, reason="CPU-sized demo; on a GPU run examples/rl_parity.py")
+@pytest.mark.skipif(on_gpu(), reason="CPU-sized demo; on a GPU run examples/rl_parity.py")
 def test_rl_parity_demo_is_bitwise_with_jdet():
   result = runpy.run_path(os.path.join(ROOT, "examples", "rl_parity.py"))["main"]("cpu")
   jd = result["jdet"]
