@@ -1,6 +1,5 @@
 """jdet.testing.audit lists the batch-dependent operations of a function, with their lines."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
