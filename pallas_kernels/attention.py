@@ -208,6 +208,13 @@ def _key_limit(kv_len, seq: int):
   return jnp.clip(kv_len, 0, seq)
 
 
+def _int_select(cond, if_true: int, if_false: int):
+  """``where(cond, if_true, if_false)`` for two static ints, as int32 constants:
+  the Triton lowering of ``select_n`` gives a weakly typed literal operand the
+  predicate's type (i1), which the Triton verifier then rejects."""
+  return jnp.where(cond, jnp.int32(if_true), jnp.int32(if_false))
+
+
 def _causal_limit(key_limit, offset, last_row, group: int):
   """Keys any row up to ``last_row`` may see: positions < offset + last_t + 1."""
   return jnp.clip(offset + last_row // group + 1, 0, key_limit)
@@ -442,7 +449,7 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
   if st.causal:  # rows before the first that may see key_start contribute zeros
     first = jnp.clip((key_start - offset) * st.group, 0, st.rows) // bq
   # A key block past the valid keys has no work: start at the end.
-  first = jnp.maximum(first, jnp.where(key_start < key_limit, 0, num_row_blocks))
+  first = jnp.maximum(first, _int_select(key_start < key_limit, 0, num_row_blocks))
 
   def step(rb, carry, masked):
     dk, dv = carry
@@ -469,8 +476,8 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
   if st.causal:
     last_key_rows = jnp.maximum((key_start + bk - 1 - offset) * st.group, 0)
     clear_start = jnp.clip((last_key_rows + bq - 1) // bq, first, num_row_blocks)
-  clear_start = jnp.maximum(clear_start,
-                            jnp.where(key_start + bk <= key_limit, 0, num_row_blocks))
+  clear_start = jnp.maximum(clear_start, _int_select(key_start + bk <= key_limit, 0,
+                                                     num_row_blocks))
   zeros = jnp.zeros((bk, st.width), jnp.float32)
   carry = lax.fori_loop(first, clear_start, functools.partial(step, masked=True), (zeros, zeros))
   dk, dv = lax.fori_loop(clear_start, num_row_blocks, functools.partial(step, masked=False), carry)
