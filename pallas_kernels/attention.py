@@ -33,9 +33,23 @@ the row sits in its tile):
   * Tile shapes, dtypes and warps come from :func:`attention_tiles`: a function
     of the head size, dtype and device only. Triton's MMA layouts give every row
     of a fixed-shape tile the same arithmetic, wherever it sits in the tile.
-  * Multiply-adds that carry state use ``fma.rn.f32`` on the GPU; in interpret
-    mode the product goes through ``optimization_barrier`` so XLA:CPU cannot
-    contract it differently in different programs.
+  * On the GPU every float32 product that meets an add carries an explicit
+    rounding mode: the logit scaling and the merge's rescaling products are
+    ``mul.rn.f32``, the state updates (``l * alpha + l_block``,
+    ``acc * alpha + p @ V`` and the merge's) one ``fma.rn.f32`` each, the
+    normalisation ``acc / l`` ``div.rn.f32`` (:func:`_mul`, :func:`_fma`,
+    ``divide``). Neither LLVM nor ptxas contracts such an instruction, whereas
+    a plain ``mul.f32`` feeding an ``add.f32`` may become an FMA or not
+    depending on the code around it; so one line of Python rounds the same in
+    every kernel that runs it. In interpret mode the products go through
+    ``optimization_barrier`` so XLA:CPU cannot contract them differently in
+    different programs.
+  * The prefill, split and combine kernels launch with the same warps and
+    stages, and the prefill and split kernels issue the same dots from the
+    same tiles (``[block_q, W] x [W, block_k]``, ``[block_q, block_k] x
+    [block_k, W]`` and ``x [block_k, 16]``), so Triton picks the same MMA
+    instruction and layout for both. Float32 dots are IEEE (precision
+    HIGHEST, FMAs in increasing k), never TF32.
 
 Kernels:
   * :func:`attention_forward_kernel` - prefill: all chunks of a row tile.
@@ -59,8 +73,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._common import (block_mask, cdiv, compiler_params, dot_f32,
-                                    load_block, multiply_add, store_block)
+from pallas_kernels._common import (block_mask, cdiv, compiler_params, divide, dot_f32,
+                                    load_block, lookup_tiles, multiply, multiply_add,
+                                    store_block)
 
 LOG2E = math.log2(math.e)
 ONES_COLUMNS = 16  # width of the ones matrix whose product gives the row sums
@@ -83,23 +98,24 @@ class AttentionTiles:
   bwd_stages: int
 
 
-# GPU tiles by (largest head size padded to a power of two, 2-byte or 4-byte
-# dtype). Not measured yet (written without device access); the shapes follow
-# the Triton flash-attention tutorial and jax's Pallas attention for the H100:
-# 128-row query tiles with 64-key steps for 16-bit inputs (two warpgroups of 64
-# rows with 8 warps), smaller tiles where float32 or a 256-wide head would
-# exhaust registers and shared memory. chunk_k = 512 gives a 32,768-key decode
-# 64 chunks per (sequence, kv head). Whatever the entries, a row's bits depend
-# on them and on nothing else: changing an entry changes results, never
-# invariance.
-GPU_TILES: dict[tuple[int, int], AttentionTiles] = {
-    (64, 2): AttentionTiles(128, 64, 512, 4, 3, 64, 64, 4, 2),
-    (128, 2): AttentionTiles(128, 64, 512, 8, 3, 64, 64, 4, 2),
-    (256, 2): AttentionTiles(64, 32, 512, 4, 2, 32, 32, 4, 1),
-    (64, 4): AttentionTiles(64, 32, 512, 4, 2, 32, 32, 4, 1),
-    (128, 4): AttentionTiles(64, 32, 512, 4, 2, 32, 32, 4, 1),
-    (256, 4): AttentionTiles(32, 32, 512, 4, 1, 16, 16, 4, 1),
-}
+# GPU tiles, one table per input width: ``(largest padded head size served,
+# tiles)`` pairs read by ``lookup_tiles``. Not measured yet (written without
+# device access); the shapes follow the Triton flash-attention tutorial and
+# jax's Pallas attention for the H100: 128-row query tiles with 64-key steps
+# for 16-bit inputs (two warpgroups of 64 rows with 8 warps), smaller tiles
+# where float32 or a 256-wide head would exhaust registers and shared memory.
+# chunk_k = 512 gives a 32,768-key decode 64 chunks per (sequence, kv head).
+# Whatever the entries, a row's bits depend on them and on nothing else:
+# changing an entry changes results, never invariance.
+GPU_TILES_16BIT: tuple[tuple[int, AttentionTiles], ...] = (
+    (64, AttentionTiles(128, 64, 512, 4, 3, 64, 64, 4, 2)),
+    (128, AttentionTiles(128, 64, 512, 8, 3, 64, 64, 4, 2)),
+    (256, AttentionTiles(64, 32, 512, 4, 2, 32, 32, 4, 1)),
+)
+GPU_TILES_32BIT: tuple[tuple[int, AttentionTiles], ...] = (
+    (128, AttentionTiles(64, 32, 512, 4, 2, 32, 32, 4, 1)),
+    (256, AttentionTiles(32, 32, 512, 4, 1, 16, 16, 4, 1)),
+)
 
 # Interpret mode (CPU): small blocks so that tiny test shapes run several row
 # tiles, key blocks and chunks.
@@ -119,11 +135,8 @@ def attention_tiles(head_dim: int, dtype, *, interpret: bool) -> AttentionTiles:
   """The tiles for ``head_dim`` and ``dtype``; never a function of B, T or S."""
   if interpret:
     return INTERPRET_TILES
-  width = max(64, padded_head_dim(head_dim))
-  key = (width, 4 if jnp.dtype(dtype).itemsize == 4 else 2)
-  if key not in GPU_TILES:
-    raise ValueError(f"head dimension {head_dim} exceeds the largest supported {MAX_HEAD_DIM}")
-  return GPU_TILES[key]
+  table = GPU_TILES_32BIT if jnp.dtype(dtype).itemsize == 4 else GPU_TILES_16BIT
+  return lookup_tiles(table, padded_head_dim(head_dim))
 
 
 def use_split(rows: int, batch: int, kv_heads: int, seq: int, tiles: AttentionTiles) -> bool:
@@ -156,11 +169,24 @@ def _barrier(x, native: bool):
   return x if native else lax.optimization_barrier(x)
 
 
+def _mul(a, b, native: bool):
+  """``a * b`` rounded on its own whatever consumes it: one ``mul.rn.f32`` on the
+  GPU (neither LLVM nor ptxas fuses an instruction with an explicit rounding
+  mode into a later add), an optimization barrier in interpret mode."""
+  return multiply(a, b) if native else lax.optimization_barrier(a * b)
+
+
 def _fma(a, b, c, native: bool):
   """``a * b + c``: one ``fma.rn.f32`` on the GPU, two roundings in interpret mode."""
   if native:
     return multiply_add(a, b, c, fused=True)
-  return _barrier(a * b, native) + c
+  return _mul(a, b, native) + c
+
+
+def _logits(q, k, st: _Static):
+  """Base-2 logits ``(q . k) * scale * log2(e)`` in float32, the scaling rounded
+  on its own (never fused into the ``s - max`` that follows)."""
+  return _mul(dot_f32(q, k, trans_b=True, precision=st.precision), st.scale * LOG2E, st.native)
 
 
 def _finite_or_zero(m):
@@ -183,17 +209,18 @@ def _merge(total, part, native: bool):
   shift = _finite_or_zero(m_new)
   alpha = jnp.exp2(m_tot - shift)
   beta = jnp.exp2(m_part - shift)
-  l_new = _fma(l_tot, alpha, _barrier(l_part * beta, native), native)
-  acc_new = _fma(acc_tot, alpha[:, None], _barrier(acc_part * beta[:, None], native), native)
+  l_new = _fma(l_tot, alpha, _mul(l_part, beta, native), native)
+  acc_new = _fma(acc_tot, alpha[:, None], _mul(acc_part, beta[:, None], native), native)
   return m_new, l_new, acc_new
 
 
 def _finalize(state, native: bool):
   """(m, l, acc) -> (acc / l, base-2 log-sum-exp). A row without a valid key
-  gives zeros and a log-sum-exp of +inf (the backward then recomputes p = 0)."""
+  gives zeros and a log-sum-exp of +inf (the backward then recomputes p = 0).
+  The division is IEEE (``div.rn.f32``) on the GPU."""
   m, l, acc = state
   has_keys = l > 0
-  out = acc / jnp.where(has_keys, l, 1.0)[:, None]
+  out = divide(acc, jnp.where(has_keys, l, 1.0)[:, None], native=native)
   lse = jnp.where(has_keys, _barrier(jnp.log2(jnp.where(has_keys, l, 1.0)), native) + m,
                   jnp.inf)
   return out, lse
@@ -206,6 +233,13 @@ def _row_positions(row_start, block_q: int, group: int, offset):
 
 def _key_limit(kv_len, seq: int):
   return jnp.clip(kv_len, 0, seq)
+
+
+def _int_select(cond, if_true: int, if_false: int):
+  """``where(cond, if_true, if_false)`` for two static ints, as int32 constants:
+  the Triton lowering of ``select_n`` gives a weakly typed literal operand the
+  predicate's type (i1), which the Triton verifier then rejects."""
+  return jnp.where(cond, jnp.int32(if_true), jnp.int32(if_false))
 
 
 def _causal_limit(key_limit, offset, last_row, group: int):
@@ -248,8 +282,7 @@ def _block_step(kb, state, *, q, k_ref, v_ref, base, row_pos, key_limit, masked:
   key_ok = keys < key_limit if masked else None
   k = load_block(k_ref.at[pl.ds(local, bk), :], rows=key_ok, cols=st.head_cols)
   v = load_block(v_ref.at[pl.ds(local, bk), :], rows=key_ok, cols=st.head_cols)
-  s = _barrier(dot_f32(q, k, trans_b=True, precision=st.precision) * (st.scale * LOG2E),
-               st.native)
+  s = _logits(q, k, st)
   if masked:
     mask = key_ok[None, :]
     if st.causal:
@@ -397,15 +430,14 @@ def attention_delta_kernel(o_ref, do_ref, delta_ref, *, st: _Static):
   rows_ok = block_mask(pl.program_id(0) * bq, bq, st.rows) if st.rows % bq else None
   o = load_block(o_ref, rows=rows_ok, cols=st.head_cols).astype(jnp.float32)
   do = load_block(do_ref, rows=rows_ok, cols=st.head_cols).astype(jnp.float32)
-  _store_rows(delta_ref, jnp.sum(_barrier(o * do, st.native), axis=1), rows_ok)
+  _store_rows(delta_ref, jnp.sum(_mul(o, do, st.native), axis=1), rows_ok)
 
 
 def _probabilities(q, k, lse, mask, st: _Static):
   """The forward's probabilities, recomputed from the base-2 log-sum-exp.
   ``mask=None`` is for blocks every row sees whole (rows past the end have
   lse = +inf, so p = 0 there)."""
-  s = _barrier(dot_f32(q, k, trans_b=True, precision=st.precision) * (st.scale * LOG2E),
-               st.native)
+  s = _logits(q, k, st)
   if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
   return jnp.exp2(s - lse[:, None])
@@ -442,7 +474,7 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
   if st.causal:  # rows before the first that may see key_start contribute zeros
     first = jnp.clip((key_start - offset) * st.group, 0, st.rows) // bq
   # A key block past the valid keys has no work: start at the end.
-  first = jnp.maximum(first, jnp.where(key_start < key_limit, 0, num_row_blocks))
+  first = jnp.maximum(first, _int_select(key_start < key_limit, 0, num_row_blocks))
 
   def step(rb, carry, masked):
     dk, dv = carry
@@ -469,8 +501,8 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
   if st.causal:
     last_key_rows = jnp.maximum((key_start + bk - 1 - offset) * st.group, 0)
     clear_start = jnp.clip((last_key_rows + bq - 1) // bq, first, num_row_blocks)
-  clear_start = jnp.maximum(clear_start,
-                            jnp.where(key_start + bk <= key_limit, 0, num_row_blocks))
+  clear_start = jnp.maximum(clear_start, _int_select(key_start + bk <= key_limit, 0,
+                                                     num_row_blocks))
   zeros = jnp.zeros((bk, st.width), jnp.float32)
   carry = lax.fori_loop(first, clear_start, functools.partial(step, masked=True), (zeros, zeros))
   dk, dv = lax.fori_loop(clear_start, num_row_blocks, functools.partial(step, masked=False), carry)
@@ -620,8 +652,7 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
                 pl.BlockSpec((None, None, chunks, bq), lambda i, bi, hi: (bi, hi, 0, i)),
                 pl.BlockSpec((None, None, chunks, bq, width),
                              lambda i, bi, hi: (bi, hi, 0, i, 0))],
-      out_specs=out_specs, out_shape=out_shapes,
-      compiler_params=compiler_params(4, 2),
+      out_specs=out_specs, out_shape=out_shapes, compiler_params=params,
       interpret=interpret, name="jdet_attention_combine",
   )(*scalars, m, l, acc)
   return unpack_rows(op, t), lse

@@ -48,10 +48,13 @@ def attend(q, k, v, lengths, offsets, causal=True):
 
 @functools.partial(jax.jit, static_argnames=("causal", "split"))
 def attend_path(q, k, v, lengths, offsets, causal=True, split=False):
-  """The kernels' forward with the prefill or the split-KV path forced."""
-  tiles = kernels.attention_tiles(q.shape[-1], q.dtype, interpret=True)
-  return kernels.attention_forward(q, k, v, lengths, offsets, scale=0.25, causal=causal,
-                                   tiles=tiles, interpret=True, split=split)[0]
+  """The kernels' forward with the prefill or the split-KV path forced; like
+  ``attend``, natively on the GPU and in interpret mode on CPU."""
+  interpret = not on_gpu()
+  tiles = kernels.attention_tiles(q.shape[-1], q.dtype, interpret=interpret)
+  return kernels.attention_forward(q, k, v, lengths, offsets, scale=1 / np.sqrt(q.shape[-1]),
+                                   causal=causal, tiles=tiles, interpret=interpret,
+                                   split=split)[0]
 
 
 def _zeros(batch=B):
@@ -106,7 +109,7 @@ def test_prefill_equals_decode_and_chunked_prefill(cache, prefill):
 
 def test_split_and_prefill_paths_agree(cache, prefill):
   q, k, v, lengths = cache
-  want = _valid_rows(prefill)  # the prefill path (T = 24 fills 3 row tiles), scale 1/4
+  want = _valid_rows(prefill)  # the prefill path (on CPU T = 24 fills 3 row tiles)
   got = attend_path(q, k, v, lengths, _zeros(), split=True)
   assert_bitwise_equal(_valid_rows(got), want, what="whole prompt, split path")
   decoded = _decode(q, k, v, lengths, functools.partial(attend_path, split=False))
@@ -194,8 +197,9 @@ def test_accuracy_vs_float64_and_jax_nn(dtype, causal):
                                              key_value_seq_lengths=lengths, query_offsets=offsets)
   assert relative_error(jnp.asarray(ref, jnp.float32), want) < TOLERANCE[dtype]
   if not causal:  # jax.nn has no query offsets; every row here has valid keys
-    nn = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
-                                      implementation="xla")
+    with jax.default_matmul_precision("highest"):  # XLA:GPU's default float32 dot is TF32
+      nn = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                        implementation="xla")
     assert relative_error(got, jnp.asarray(nn, jnp.float32)) < 2 * TOLERANCE[dtype]
 
 
@@ -315,8 +319,8 @@ def test_gpu_prefill_decode_chunked_split(dtype):
   assert relative_error(jnp.asarray(whole, jnp.float32), jnp.asarray(ref, jnp.float32)) < 2e-2
   for split in (False, True):
     for t in list(range(0, seq, 37)) + [seq - 1]:
-      step = attend_gpu(q[:, t:t + 1], k, v, jnp.full((batch,), t + 1, jnp.int32),
-                        jnp.full((batch,), t, jnp.int32), split=split)
+      step = attend_path(q[:, t:t + 1], k, v, jnp.full((batch,), t + 1, jnp.int32),
+                         jnp.full((batch,), t, jnp.int32), split=split)
       assert_bitwise_equal(step[:, 0], whole[:, t], what=f"decode t={t} split={split}")
   start = 0
   for size in (1, 7, 64, 200, 333, 419):
@@ -327,9 +331,3 @@ def test_gpu_prefill_decode_chunked_split(dtype):
   alone = attend(q[1:], k[1:], v[1:], lengths[1:], _zeros(1))
   assert_bitwise_equal(alone[0], whole[1], what="sequence 1 alone")
 
-
-@functools.partial(jax.jit, static_argnames=("split",))
-def attend_gpu(q, k, v, lengths, offsets, split):
-  tiles = kernels.attention_tiles(q.shape[-1], q.dtype, interpret=False)
-  return kernels.attention_forward(q, k, v, lengths, offsets, scale=1 / np.sqrt(q.shape[-1]),
-                                   causal=True, tiles=tiles, interpret=False, split=split)[0]
