@@ -556,9 +556,12 @@ def _softmax_check(full):
     cases.append(Case(name, f"fwd f32 [{m},{n}]", fn, (x,), (0,),
                       lambda fn=fn, name=name: relative_error(fn(x), _softmax_float64(name, x)),
                       2e-6, sizes))
-    cases.append(Case(name, "dx (grad of sum of squares)", _row_grad(fn), (x,), (0,),
-                      lambda fn=fn, reference=reference: relative_error(
-                          _row_grad(fn)(x), _row_grad(reference)(x)), 1e-5, sizes))
+    # On a CPU each case compiles interpret programs for every batch size: there,
+    # only log_softmax's gradient (tests/test_softmax.py covers the others).
+    if full or name == "log_softmax":
+      cases.append(Case(name, "dx (grad of sum of squares)", _row_grad(fn), (x,), (0,),
+                        lambda fn=fn, reference=reference: relative_error(
+                            _row_grad(fn)(x), _row_grad(reference)(x)), 1e-5, sizes))
   return cases
 
 
