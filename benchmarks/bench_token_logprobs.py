@@ -8,7 +8,7 @@ targets are at least XLA's speed and at most 1/8 of its temporary memory. The
 cases are the op registry's (``TOKEN_LOGPROBS_BENCH``, ``TOKEN_LOGPROBS_QUICK``,
 ``token_logprobs_bench_cases`` in :mod:`jdet._registry`).
 
-Run: ``PYTHONPATH=. python3 benchmarks/bench_token_logprobs.py [--quick]``.
+Run: ``PYTHONPATH=. python3 benchmarks/bench_token_logprobs.py [--quick] [--memory-only]``.
 """
 
 from __future__ import annotations
@@ -39,10 +39,13 @@ def memory_table(cases) -> str:
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+  parser.add_argument("--memory-only", action="store_true",
+                      help="only the peak temporary memory table (compiles, runs nothing)")
   args = parser.parse_args()
   shapes = TOKEN_LOGPROBS_QUICK if args.quick or not bench.on_gpu() else TOKEN_LOGPROBS_BENCH
   cases = token_logprobs_bench_cases(shapes)
-  bench.report("jdet.token_logprobs", cases)
+  if not args.memory_only:
+    bench.report("jdet.token_logprobs", cases)
   print(memory_table(cases))
 
 

@@ -85,7 +85,13 @@ def format_results(results: list[Result]) -> str:
 
 
 def main(ops=None, full: bool | None = None) -> int:
-  """Runs the checks, prints the table; returns 0 if every case passed, else 1."""
+  """Runs the checks, prints the table; returns 0 if every case passed, else 1.
+
+  Without ``ops`` it also runs the model-level check,
+  :func:`jdet.models.parity.parity_check`: a decoder built from jdet ops samples
+  completions with its KV cache, the trainer recomputes their log-probs in other
+  batches, and every token must agree bitwise (GPU sizes on a GPU).
+  """
   full = jax.default_backend() == "gpu" if full is None else full
   device = jax.devices()[0]
   print(f"jdet check on {device.device_kind} ({device.platform}), jax {jax.__version__}; "
@@ -102,7 +108,14 @@ def main(ops=None, full: bool | None = None) -> int:
     if r.message:
       print(f"{r.case.op} {r.case.label}: {r.message}")
   failed = sum(not r.ok for r in results)
-  print(f"{len(results) - failed} passed, {failed} failed")
+  passed = len(results) - failed
+  if ops is None:
+    from jdet.models import parity
+    if parity.parity_check("gpu" if full else "cpu")["ok"]:
+      passed += 1
+    else:
+      failed += 1
+  print(f"{passed} passed, {failed} failed")
   print(f"(first call: compile and run of the full batch; total: that plus the checks, "
         f"{sum(r.seconds for r in results):.0f} s in all. A persistent compilation cache, "
         f"JAX_COMPILATION_CACHE_DIR, makes a second run faster.)")

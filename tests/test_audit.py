@@ -4,7 +4,6 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 

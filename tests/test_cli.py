@@ -18,12 +18,27 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_check_of_every_op_passes_and_prints_a_table(capsys):
-  assert cli.main(["check"]) == 0
+  # Every op by name: the model parity check that a bare `check` adds runs in
+  # tests/test_rl_parity.py (and below, stubbed).
+  assert cli.main(["check", *(f"--op={op}" for op in OPS)]) == 0
   out = capsys.readouterr().out
   for row in ("| matmul | fwd bf16", "| sinkhorn | grad=implicit n=8", "| tri_inverse | dA n=64"):
     assert row in out
   count = sum(len(op.check_cases(False)) for op in OPS.values())
   assert f"{count} passed, 0 failed" in out
+
+
+@pytest.mark.parametrize("parity_ok", [True, False])
+def test_bare_check_adds_the_model_parity_check(monkeypatch, capsys, parity_ok):
+  from jdet.models import parity
+  matmul = OPS["matmul"]
+  monkeypatch.setitem(OPS, "matmul", dataclasses.replace(
+      matmul, check_cases=lambda full: matmul.check_cases(full)[:1]))
+  for name in [name for name in OPS if name != "matmul"]:
+    monkeypatch.delitem(OPS, name)
+  monkeypatch.setattr(parity, "parity_check", lambda config: {"ok": parity_ok})
+  assert cli.main(["check"]) == (0 if parity_ok else 1)
+  assert ("2 passed, 0 failed" if parity_ok else "1 passed, 1 failed") in capsys.readouterr().out
 
 
 def test_check_exits_1_when_a_case_fails(monkeypatch, capsys):
