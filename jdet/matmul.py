@@ -47,7 +47,7 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None,
     backend: ``"pallas"`` (default) runs the Pallas kernels; ``"triton"`` runs
       the same GEMM written in Triton, launched by jax-triton (NVIDIA GPU only;
       install with ``pip install 'jdet[triton]'``). Both keep the contract below;
-      ``benchmarks/results/h100.md`` records whether their bits agree.
+      ``notes/h100_notebook.md`` records that their bits agree.
 
   Returns:
     ``[..., M, N]``. Mixed input dtypes are cast to ``jnp.result_type(a, b)``;
