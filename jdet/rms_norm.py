@@ -1,4 +1,4 @@
-"""``jdet.rms_norm``: RMSNorm (optionally fused with the residual add), each row bitwise on its own."""
+"""``jdet.rms_norm``: RMSNorm, optionally fused with the residual add; each row on its own."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jdet
-from jdet.testing import assert_bitwise_equal, relative_error
+from jdet.testing import assert_bitwise_equal, random_normal, relative_error
 from pallas_kernels import attention as kernels
 from jdet.bench import on_gpu
 
@@ -24,17 +24,13 @@ CHUNKS = (1, 3, 5)  # chunked prefill cycles through these sizes
 TOLERANCE = {jnp.float32: 2e-6, jnp.bfloat16: 2e-2}
 
 
-def _normal(rng, shape, dtype):
-  return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
-
-
 def _cache(seed, dtype, *, batch=B, seq=S, q_heads=N, kv_heads=K, head_dim=H, garbage=np.nan):
   """Queries [B, seq, N, H] and a KV cache [B, seq, K, H] holding LENGTHS[b]
   valid tokens per sequence, ``garbage`` past them."""
   rng = np.random.default_rng(seed)
-  q = _normal(rng, (batch, seq, q_heads, head_dim), dtype)
-  k = _normal(rng, (batch, seq, kv_heads, head_dim), dtype)
-  v = _normal(rng, (batch, seq, kv_heads, head_dim), dtype)
+  q = random_normal(rng, (batch, seq, q_heads, head_dim), dtype)
+  k = random_normal(rng, (batch, seq, kv_heads, head_dim), dtype)
+  v = random_normal(rng, (batch, seq, kv_heads, head_dim), dtype)
   valid = np.arange(seq)[None, :, None, None] < np.array(LENGTHS[:batch])[:, None, None, None]
   k, v = (jnp.where(valid, x, jnp.asarray(garbage, dtype)) for x in (k, v))
   return q, k, v, jnp.array(LENGTHS[:batch], jnp.int32)
@@ -214,7 +210,7 @@ grads = jax.jit(jax.grad(functools.partial(_loss, jdet.dot_product_attention), a
 @pytest.fixture(scope="module")
 def grad_case():
   q, k, v, lengths = _cache(7, jnp.float32, garbage=0.0)
-  weight = _normal(np.random.default_rng(8), q.shape, jnp.float32)
+  weight = random_normal(np.random.default_rng(8), q.shape, jnp.float32)
   return q, k, v, lengths, jnp.array([0, 2, 0], jnp.int32), weight
 
 
@@ -310,9 +306,9 @@ def test_kernels_lower_for_cuda(dtype, head_dim):
 def test_gpu_prefill_decode_chunked_split(dtype):
   seq, batch = 1024, 2
   rng = np.random.default_rng(11)
-  q = _normal(rng, (batch, seq, 32, 128), dtype)
-  k = _normal(rng, (batch, seq + 3000, 8, 128), dtype)
-  v = _normal(rng, (batch, seq + 3000, 8, 128), dtype)
+  q = random_normal(rng, (batch, seq, 32, 128), dtype)
+  k = random_normal(rng, (batch, seq + 3000, 8, 128), dtype)
+  v = random_normal(rng, (batch, seq + 3000, 8, 128), dtype)
   lengths = jnp.full((batch,), seq, jnp.int32)
   whole = np.asarray(attend(q, k, v, lengths, _zeros(batch)))
   ref = jdet.dot_product_attention_reference(q, k[:, :seq], v[:, :seq], is_causal=True)

@@ -12,7 +12,7 @@ from jax.experimental import pallas as pl
 
 import jdet
 from jdet.testing import (assert_batch_invariant, assert_bitwise_equal, assert_deterministic,
-                          relative_error)
+                          random_normal, relative_error)
 from pallas_kernels import rms_norm as kernels
 
 ROWS = 40  # 5 interpret row blocks of 8, 3 dweight chunks of 16
@@ -21,13 +21,9 @@ ROWS = 40  # 5 interpret row blocks of 8, 3 dweight chunks of 16
 TOLERANCE = {jnp.float32: 2e-6, jnp.bfloat16: 8e-3, jnp.float16: 1e-3}
 
 
-def _normal(seed, shape, dtype=jnp.float32):
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), jnp.float32).astype(dtype)
-
-
 def _operands(h, dtype=jnp.bfloat16, rows=ROWS):
-  return (_normal(h, (rows, h), dtype), _normal(h + 1, (rows, h), dtype),
-          _normal(h + 2, (h,), jnp.float32) + 1.0, _normal(h + 3, (rows, h), dtype))
+  return (random_normal(h, (rows, h), dtype), random_normal(h + 1, (rows, h), dtype),
+          random_normal(h + 2, (h,), jnp.float32) + 1.0, random_normal(h + 3, (rows, h), dtype))
 
 
 def _per_row_loss(y, g):
@@ -171,8 +167,8 @@ def test_dweight_unchanged_by_zero_cotangent_rows():
 def test_inside_a_jitted_model():
   """rms_norm -> jdet.matmul -> rms_norm with residual, under jit, with several output sets."""
   x, r, w, _ = _operands(96)
-  proj = _normal(7, (96, 96), jnp.bfloat16) * 0.1
-  w2 = _normal(8, (96,), jnp.bfloat16)
+  proj = random_normal(7, (96, 96), jnp.bfloat16) * 0.1
+  w2 = random_normal(8, (96,), jnp.bfloat16)
 
   def model(x, r):
     a = jdet.rms_norm(x, w)
@@ -222,7 +218,7 @@ def test_empty_rows_and_reference_semantics():
   y, total = jdet.rms_norm(jnp.zeros((2, 0, 8), jnp.bfloat16), w,
                            residual=jnp.zeros((2, 0, 8), jnp.bfloat16))
   assert y.shape == total.shape == (2, 0, 8) and y.dtype == jnp.bfloat16
-  x = _normal(0, (4, 8), jnp.bfloat16)
+  x = random_normal(0, (4, 8), jnp.bfloat16)
   assert jdet.rms_norm_reference(x, w).dtype == jnp.bfloat16
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import jdet
 from jdet.bench import on_gpu
-from jdet.testing import assert_bitwise_equal, relative_error
+from jdet.testing import assert_bitwise_equal, random_normal, relative_error
 from pallas_kernels import softmax as kernels
 
 T, D, V = 24, 40, 300
@@ -19,7 +19,7 @@ TAU = 0.7
 
 
 def _normal(rng, shape, dtype=jnp.float32, scale=1.0):
-  return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32).astype(dtype)
+  return (random_normal(rng, shape) * scale).astype(dtype)
 
 
 def _unfused(h, w, t, temperature):
