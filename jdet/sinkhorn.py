@@ -15,7 +15,6 @@ from jax import lax
 
 from jdet._backend import as_array, check_float, check_ndim, use_interpret
 from pallas_kernels import sinkhorn as kernels
-from pallas_kernels._common import run_as_own_program
 
 GRADS = ("unrolled", "implicit")
 
@@ -52,10 +51,6 @@ def sinkhorn(logits, *, iters=20, eps=1e-6, init="softmax", grad="unrolled", int
       ``"implicit"``: the gradient at the fixed point, from the linear system
       corrected for the row sums r and column sums c of the result; it is
       trustworthy once :func:`sinkhorn_residual` is small (see there).
-      On CPU its interpret-mode kernel runs as a program of its own (see
-      ``pallas_kernels._common.run_as_own_program``), so XLA:CPU's
-      per-program FMA choices cannot change its bits between ``jit(grad)``,
-      ``vmap`` and other surroundings.
     interpret: ``None`` picks by platform (Triton on GPU, interpret on CPU).
 
   Returns:
@@ -133,15 +128,9 @@ def _sinkhorn_fwd(logits, config):
 def _sinkhorn_bwd(config, saved, cotangent):
   cotangent = cotangent.astype(jnp.float32)
   if config.grad == "implicit":
-    implicit = functools.partial(kernels.sinkhorn_implicit_backward, out_dtype=config.dtype,
-                                 tiles=_backward_tiles(config), interpret=config.interpret)
-    if config.interpret:
-      # The CG's sums are where XLA:CPU's per-program FMA choices showed (see
-      # run_as_own_program); the GPU kernel is compiled on its own anyway.
-      dlogits = run_as_own_program(
-          implicit, jax.ShapeDtypeStruct(saved.shape, config.dtype), saved, cotangent)
-    else:
-      dlogits = implicit(saved, cotangent)
+    dlogits = kernels.sinkhorn_implicit_backward(
+        saved, cotangent, out_dtype=config.dtype, tiles=_backward_tiles(config),
+        interpret=config.interpret)
   else:
     dlogits = kernels.sinkhorn_unrolled_backward(
         saved, cotangent, iters=config.iters, eps=config.eps,

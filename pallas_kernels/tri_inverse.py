@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import compiler_params, dot_f32, sum_in_order
+from pallas_kernels._common import compiler_params, dot_f32, launcher, sum_in_order
 
 TILE = 16
 SIZES = (16, 32, 64, 128)
@@ -267,7 +267,7 @@ def _launch(kernel, name: str, inputs, out_dtype, *, tiles: TriInverseTiles,
   )(*inputs)
 
 
-@functools.partial(jax.jit, static_argnames=("method", "precision", "tiles", "interpret"))
+@launcher
 def tri_inverse(a, *, method: str, precision, tiles: TriInverseTiles, interpret: bool):
   """Launches the ``method`` ("blocked" or "doubling") forward kernel.
 
@@ -281,7 +281,7 @@ def tri_inverse(a, *, method: str, precision, tiles: TriInverseTiles, interpret:
                  tiles=tiles, interpret=interpret)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "precision", "tiles", "interpret"))
+@launcher
 def tri_inverse_backward(x, g, *, out_dtype, precision, tiles: TriInverseTiles,
                          interpret: bool):
   """Launches :func:`tri_inverse_backward_kernel`.
