@@ -1,6 +1,9 @@
-"""How jdet picks the Pallas backend, and the argument checks every op shares."""
+"""How jdet picks the Pallas backend, the argument checks every op shares, and the
+guard that makes differentiating an op's backward rule a clear error."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -61,3 +64,45 @@ def as_array(name: str, x) -> jax.Array:
   if getattr(x, "dtype", None) == np.float64:
     check_float(name, x)
   return jnp.asarray(x)
+
+
+def differentiable_once(op: str, primal, fwd, bwd):
+  """Defines the VJP of the ``jax.custom_vjp`` function ``primal`` as ``fwd``,
+  ``bwd`` (``bwd(static, residuals, cotangent)``, like ``primal.defvjp``) and
+  returns ``primal`` wrapped so that every derivative beyond the first raises
+  one NotImplementedError naming ``op``.
+
+  jdet's rules launch kernels that have no derivatives of their own (Pallas
+  calls, host callbacks), so without this ``jax.grad`` of ``jax.grad`` fails
+  deep inside JAX. ``bwd`` runs inside a ``jax.custom_jvp`` whose JVP raises
+  (undifferentiated it is inlined and changes no bits), and the forward-mode
+  TypeError JAX raises for a ``custom_vjp`` (``jax.jvp``, ``jax.jacfwd``,
+  ``jax.hessian``) becomes the same error. Every op defines its VJP with this.
+  """
+  message = (f"jdet.{op} is differentiable once, in reverse mode (jax.grad, jax.vjp): "
+             f"higher-order derivatives (jax.grad of jax.grad, jax.hessian) and forward "
+             f"mode (jax.jvp, jax.jacfwd) are not supported")
+
+  def guarded_bwd(static, residuals, cotangent):
+    @jax.custom_jvp
+    def backward(residuals, cotangent):
+      return bwd(static, residuals, cotangent)
+
+    @backward.defjvp
+    def _differentiated(primals, tangents):
+      raise NotImplementedError(message)
+
+    return backward(residuals, cotangent)
+
+  primal.defvjp(fwd, guarded_bwd)
+
+  @functools.wraps(primal)
+  def call(*args):
+    try:
+      return primal(*args)
+    except TypeError as err:
+      if "forward-mode autodiff" not in str(err):
+        raise
+      raise NotImplementedError(message) from err
+
+  return call

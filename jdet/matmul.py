@@ -11,7 +11,8 @@ import numpy as np
 from jax import lax
 
 from jdet import _triton_backend
-from jdet._backend import as_array, check_float, check_ndim, use_interpret
+from jdet._backend import (as_array, check_float, check_ndim, differentiable_once,
+                           use_interpret)
 from pallas_kernels import hopper_matmul as hopper
 from pallas_kernels import matmul as kernels
 from pallas_kernels._common import pad_axis
@@ -60,6 +61,10 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None,
   order (zero-padding K does not change a row). Under ``jax.grad``, ``dA`` has
   the same property and ``dB`` is reduced over rows in a fixed order: appending
   rows whose cotangent is zero leaves it bitwise unchanged.
+
+  Differentiable once, in reverse mode (``jax.grad``, ``jax.vjp``): a second
+  derivative (``jax.grad`` of ``jax.grad``, ``jax.hessian``) or forward mode
+  (``jax.jvp``, ``jax.jacfwd``) raises NotImplementedError.
   """
   a = as_array("a", a)
   b = as_array("b", b)
@@ -225,7 +230,7 @@ def _gemm_bwd(config, residuals, dc):
   return da, db
 
 
-_gemm.defvjp(_gemm_fwd, _gemm_bwd)
+_gemm = differentiable_once("matmul", _gemm, _gemm_fwd, _gemm_bwd)
 
 
 def matmul_reference(a, b, *, precision=lax.Precision.HIGHEST, preferred_element_type=None):

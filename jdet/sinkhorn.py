@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdet._backend import as_array, check_float, check_ndim, use_interpret
+from jdet._backend import (as_array, check_float, check_ndim, differentiable_once,
+                           use_interpret)
 from pallas_kernels import sinkhorn as kernels
 
 GRADS = ("unrolled", "implicit")
@@ -63,6 +64,10 @@ def sinkhorn(logits, *, iters=20, eps=1e-6, init="softmax", grad="unrolled", int
   depend only on its own logits and cotangent: not on the number of matrices,
   their order, padding, chunking, ``jit``/``vmap``, nor on the run. A NaN in one
   matrix stays in that matrix. Finite logits never give NaN.
+
+  Differentiable once, in reverse mode (``jax.grad``, ``jax.vjp``): a second
+  derivative (``jax.grad`` of ``jax.grad``, ``jax.hessian``) or forward mode
+  (``jax.jvp``, ``jax.jacfwd``) raises NotImplementedError.
   """
   logits = as_array("logits", logits)
   check_ndim("logits", logits, 2, "[..., n, n]")
@@ -138,7 +143,7 @@ def _sinkhorn_bwd(config, saved, cotangent):
   return (dlogits,)
 
 
-_sinkhorn.defvjp(_sinkhorn_fwd, _sinkhorn_bwd)
+_sinkhorn = differentiable_once("sinkhorn", _sinkhorn, _sinkhorn_fwd, _sinkhorn_bwd)
 
 
 def sinkhorn_residual(r):

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdet._backend import as_array, check_float, check_ndim, use_interpret
+from jdet._backend import (as_array, check_float, check_ndim, differentiable_once,
+                           use_interpret)
 from pallas_kernels import tri_inverse as kernels
 from pallas_kernels._common import pad_axis
 
@@ -60,6 +61,10 @@ def tri_inverse(a, *, method="blocked", precision=lax.Precision.HIGHEST, interpr
   or the run; NaN/inf in one matrix leaves the others bitwise unchanged. Under
   ``jax.grad``, ``dA = tril(Xᵀ · G · Xᵀ, -1)`` (in ``a``'s dtype, zero on and
   above the diagonal) has the same property.
+
+  Differentiable once, in reverse mode (``jax.grad``, ``jax.vjp``): a second
+  derivative (``jax.grad`` of ``jax.grad``, ``jax.hessian``) or forward mode
+  (``jax.jvp``, ``jax.jacfwd``) raises NotImplementedError.
   """
   a = as_array("a", a)
   check_ndim("a", a, 2, "[..., n, n]")
@@ -123,7 +128,8 @@ def _tri_inverse_backward(config, x, g):
   return (da[:batch],)
 
 
-_tri_inverse.defvjp(_tri_inverse_forward, _tri_inverse_backward)
+_tri_inverse = differentiable_once("tri_inverse", _tri_inverse, _tri_inverse_forward,
+                                   _tri_inverse_backward)
 
 
 def tri_inverse_reference(a):
