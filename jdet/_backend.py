@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -30,6 +31,8 @@ def use_interpret(interpret: bool | None, *arrays) -> bool:
   trace the default backend decides.
   """
   if interpret is not None:
+    if not isinstance(interpret, (bool, np.bool_)):
+      raise TypeError(f"interpret must be None, True or False, got {interpret!r}")
     return bool(interpret)
   platform = _platform(arrays)
   if platform in ("gpu", "cuda"):
@@ -64,6 +67,37 @@ def as_array(name: str, x) -> jax.Array:
   if getattr(x, "dtype", None) == np.float64:
     check_float(name, x)
   return jnp.asarray(x)
+
+
+def check_precision(name: str, precision, default: lax.Precision | None):
+  """``precision`` as one ``lax.Precision`` (``default`` for None).
+
+  Takes what ``jnp.dot`` takes for one precision: a ``lax.Precision``, a string
+  ``lax.Precision`` accepts ("highest", "float32", "tensorfloat32", ...), or a
+  pair of those naming the same precision; and the member names ("HIGHEST").
+  jdet's kernels apply one precision to both operands, so a pair of different
+  ones, and ``lax.DotAlgorithm`` presets, raise ValueError naming ``name``.
+  """
+  if precision is None:
+    return default
+  if isinstance(precision, (tuple, list)) and len(precision) == 2 and None not in precision:
+    first, second = (check_precision(name, p, default) for p in precision)
+    if first != second:
+      raise ValueError(f"{name} must name one precision for both operands, got {precision!r}")
+    return first
+  if isinstance(precision, lax.Precision):
+    return precision
+  if isinstance(precision, str):
+    if precision in lax.Precision.__members__:
+      return lax.Precision[precision]
+    try:
+      return lax.Precision(precision)
+    except ValueError:
+      pass
+  raise ValueError(
+      f"{name} must be None, a jax.lax.Precision (DEFAULT, HIGH, HIGHEST), its name, "
+      f"a string jax.lax.Precision accepts (e.g. 'highest', 'float32', 'tensorfloat32') "
+      f"or a pair of equal ones; got {precision!r}")
 
 
 def differentiable_once(op: str, primal, fwd, bwd):

@@ -18,6 +18,12 @@ from jdet._backend import (as_array, check_float, check_ndim, differentiable_onc
 from pallas_kernels import sinkhorn as kernels
 
 GRADS = ("unrolled", "implicit")
+# The most iterations sinkhorn takes. The unrolled backward recomputes the
+# iterates segment by segment, so its work grows with iters squared over the
+# segment length; 10,000 iterations is far past convergence for any n <= 16.
+MAX_ITERS = 10_000
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +43,10 @@ def sinkhorn(logits, *, iters=20, eps=1e-6, init="softmax", grad="unrolled", int
   Args:
     logits: ``[..., n, n]``, float32, bfloat16 or float16, any number of leading
       (token) dims, 1 <= n <= 16. Computation is float32.
-    iters: Sinkhorn-Knopp iterations, an int >= 1.
-    eps: guard of the sums, a finite float > 0.
+    iters: Sinkhorn-Knopp iterations, an int from 1 to ``MAX_ITERS`` (10,000).
+    eps: guard of the sums, a float that is a positive normal float32
+      (1.18e-38 <= eps <= 3.4e38; the kernels compute in float32, where a
+      smaller eps would be 0 or subnormal).
     init: ``"softmax"`` (DeepSeek's kernels): P = softmax(logits, -1) + eps,
       R = P / (colsum(P) + eps), then ``iters - 1`` times
       R = R / (rowsum(R) + eps); R = R / (colsum(R) + eps).
@@ -90,16 +98,18 @@ def sinkhorn(logits, *, iters=20, eps=1e-6, init="softmax", grad="unrolled", int
 def _check_iters(iters) -> int:
   if isinstance(iters, bool) or not isinstance(iters, numbers.Integral):
     raise TypeError(f"iters must be a Python int, got {type(iters).__name__}")
-  if iters < 1:
-    raise ValueError(f"iters must be >= 1, got {iters}")
+  if not 1 <= iters <= MAX_ITERS:
+    raise ValueError(f"iters must be >= 1 and <= MAX_ITERS = {MAX_ITERS}, got {iters}")
   return int(iters)
 
 
 def _check_eps(eps) -> float:
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
     raise TypeError(f"eps must be a Python float, got {type(eps).__name__}")
-  if not (math.isfinite(eps) and eps > 0):
-    raise ValueError(f"eps must be a finite number > 0, got {eps}")
+  if not (math.isfinite(eps) and _FLOAT32_TINY <= eps <= _FLOAT32_MAX):
+    raise ValueError(
+        f"eps must be a positive normal float32 ({_FLOAT32_TINY:.3g} <= eps <= "
+        f"{_FLOAT32_MAX:.3g}: the kernels compute in float32), got {eps}")
   return float(eps)
 
 

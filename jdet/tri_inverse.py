@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdet._backend import (as_array, check_float, check_ndim, differentiable_once,
-                           use_interpret)
+from jdet._backend import (as_array, check_float, check_ndim, check_precision,
+                           differentiable_once, use_interpret)
 from pallas_kernels import tri_inverse as kernels
 from pallas_kernels._common import pad_axis
 
@@ -50,6 +50,9 @@ def tri_inverse(a, *, method="blocked", precision=lax.Precision.HIGHEST, interpr
       from n = 32 on. Use it only for small n or strongly decaying gates.
     precision: of the block products. ``HIGHEST`` (default) is IEEE float32;
       ``DEFAULT``/``HIGH`` let the GPU use TF32. CPU is always IEEE float32.
+      Also taken: the names ("HIGHEST") and the strings ``jax.lax.Precision``
+      accepts ("highest", "float32", ...), or a pair of equal ones; ``None``
+      is ``DEFAULT``. Anything else raises ValueError.
     interpret: ``None`` picks by platform (Triton on GPU, interpret on CPU).
 
   Returns:
@@ -77,14 +80,9 @@ def tri_inverse(a, *, method="blocked", precision=lax.Precision.HIGHEST, interpr
         f"a's matrices must be n x n with n in {kernels.SIZES}, got n = {n} "
         f"(pad a chunk to the next supported size: zero rows and columns leave "
         f"the inverse's leading block unchanged)")
-  if method not in METHODS:
+  if not isinstance(method, str) or method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-  try:
-    precision = lax.Precision.DEFAULT if precision is None else lax.Precision(precision)
-  except (TypeError, ValueError):
-    raise ValueError(
-        f"precision must be a jax.lax.Precision (DEFAULT, HIGH or HIGHEST), "
-        f"got {precision!r}") from None
+  precision = check_precision("precision", precision, lax.Precision.DEFAULT)
   config = _TriInverseConfig(method, precision, dtype, use_interpret(interpret, a))
   if a.size == 0:
     return jnp.zeros(a.shape, jnp.float32)
