@@ -1,4 +1,6 @@
-"""Edges every op shares: higher-order derivatives raise one clear error."""
+"""Edges every op shares: higher-order derivatives raise one clear error, NaN input
+keeps tri_inverse's upper triangle zero, input builders and helpers on edge cases.
+(Argument checks are in each op's own test file.)"""
 
 import functools
 
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 
 import jdet
+from jdet.testing import bits, relative_error
 
 A, B = jnp.ones((4, 64)) * 0.5, jnp.ones((64, 8)) * 0.25
 LOGITS = jnp.asarray(np.random.default_rng(0).standard_normal((2, 4, 4)), jnp.float32)
@@ -58,3 +61,27 @@ def test_beyond_first_order_raises_one_clear_error(name, fn, args, argnum, how):
 def test_first_order_still_works(name, fn, args, argnum):
   grad = jax.grad(_square_sum(fn), argnums=argnum)(*args)
   assert grad.shape == args[argnum].shape and np.isfinite(np.asarray(grad)).all()
+
+
+@pytest.mark.parametrize("method", ["blocked", "doubling"])
+def test_tri_inverse_upper_triangle_is_exact_zeros_with_nan_and_inf(method):
+  a = np.array(jdet.gdn_chunk_matrices(jax.random.key(1), 4, 32))
+  a[0, 5, 2] = np.nan
+  a[1, 20, 3] = np.inf
+  a[2, 31, 30] = -np.inf
+  x = np.asarray(jdet.tri_inverse(a, method=method))
+  upper = np.triu(np.ones((32, 32), bool), 1)
+  assert (bits(x)[:, upper] == 0).all()  # +0.0, not -0.0 or NaN
+  assert np.isnan(x[0]).any() and not np.isnan(x[3]).any()
+
+
+def test_gdn_chunk_matrices_are_float32_under_x64():
+  with jax.enable_x64(True):
+    a = jdet.gdn_chunk_matrices(jax.random.key(0), 2, 16)
+    assert a.dtype == jnp.float32
+    assert jdet.tri_inverse(a).dtype == jnp.float32
+
+
+def test_relative_error_of_empty_arrays_is_zero():
+  assert relative_error(np.zeros((0, 3)), np.zeros((0, 3))) == 0.0
+  assert relative_error([], []) == 0.0
