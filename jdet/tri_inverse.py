@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -38,9 +39,18 @@ def tri_inverse(a, *, method="blocked", precision=lax.Precision.HIGHEST, interpr
       Only the strictly lower triangle is read: the diagonal and the upper
       triangle are ignored, whatever they hold.
     method: ``"blocked"`` (default) inverts the 16x16 diagonal blocks by forward
-      substitution, then merges blocks upward (``X21 = X22 · A21 · X11``); its
-      relative error (max |X - X_exact| / max |X_exact|) is below 1e-6 in
-      f32, on well-conditioned and on ill-conditioned inputs alike.
+      substitution, then merges blocks upward (``X21 = X22 · A21 · X11``). Its
+      relative error (max |X - X_exact| / max |X_exact|, X_exact by forward
+      substitution in long double), measured in f32 on CPU for n = 16, 32,
+      64, 128: at most 6e-8 on :func:`gdn_chunk_matrices` inputs and on
+      ``a = -β·L`` (L the strictly lower ones, β = 0.99 or 1.01); on
+      ``a = +β·L``, whose inverse grows like binomial coefficients (to 1e38 at
+      n = 128), 2e-7, 4e-7, 8e-7, 1.6e-6; on strictly lower N(0, 1) entries
+      (inverse up to 2e15 at n = 128) 1.4e-7, 3.2e-7, 2.6e-6, 2.0e-6, like
+      float32 ``solve_triangular`` (1.4e-7 to 3.2e-6; a float64
+      ``np.linalg.inv`` is off by 0.8 at n = 128). Entries far smaller than
+      the largest carry its absolute error: entrywise relative errors reach
+      6e-3 on N(0, 1) at n = 128 (``solve_triangular``: 5e-3).
       ``"doubling"`` runs ``X = I, Y = A``; ceil(log2 n) times
       ``X = X + X·Y, Y = Y·Y``, one n x n product after another: accurate
       only while the powers of A stay small. Its measured relative errors
@@ -151,20 +161,21 @@ def gdn_chunk_matrices(key, batch: int, n: int, *, head_dim: int = 64,
   ``key_overlap² / (1 + key_overlap²)``), ``beta`` is uniform in (0, 1), the
   per-step log-decay uniform in (-max_log_decay, 0] and ``g`` its running sum
   within the chunk, so ``A[i, j] = beta_i (k_i · k_j) exp(g_i - g_j)`` for i > j.
-  Returns ``a = -tril(A, -1)``: ``[batch, n, n]`` float32. An input builder, not
-  an op: it is not batch-invariant and need not be.
+  Returns ``a = -tril(A, -1)``: ``[batch, n, n]`` float32 (also under
+  ``jax_enable_x64``). An input builder, not an op: it is not batch-invariant
+  and need not be.
   """
   key_shared, key_noise, key_beta, key_g = jax.random.split(key, 4)
   shared = jax.random.normal(key_shared, (batch, 1, head_dim), jnp.float32)
   shared = shared / jnp.linalg.norm(shared, axis=-1, keepdims=True)
-  noise = jax.random.normal(key_noise, (batch, n, head_dim), jnp.float32) / np.sqrt(head_dim)
+  noise = jax.random.normal(key_noise, (batch, n, head_dim), jnp.float32) / math.sqrt(head_dim)
   keys = key_overlap * shared + noise
   keys = keys / jnp.linalg.norm(keys, axis=-1, keepdims=True)
   beta = jax.random.uniform(key_beta, (batch, n, 1), jnp.float32, 1e-3, 1.0)
   g = jnp.cumsum(-max_log_decay * jax.random.uniform(key_g, (batch, n), jnp.float32), axis=-1)
   similarity = jnp.einsum("bik,bjk->bij", keys, keys, precision=lax.Precision.HIGHEST)
   decay = jnp.exp(jnp.minimum(g[:, :, None] - g[:, None, :], 0.0))
-  return -jnp.tril(beta * similarity * decay, -1)
+  return -jnp.tril(beta * similarity * decay, -1).astype(jnp.float32)
 
 
 def hostile_chunk_matrices(batch: int, n: int, *, beta: float = 0.99):
