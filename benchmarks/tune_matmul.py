@@ -17,7 +17,8 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import harness
+from jdet import bench
+from jdet.testing import random_normal
 from pallas_kernels import hopper_matmul as hopper
 from pallas_kernels import matmul as kernels
 
@@ -44,9 +45,9 @@ HOPPER_KN = ((4096, 4096), (4096, 12288), (4096, 14336), (14336, 4096), (4096, 3
 
 def _hopper_passes(m, k, n):
   """(pass, XLA fn, Triton fn, Hopper layout, argument sets) for forward, dA, dB."""
-  a = [harness.random_normal(3 * i, (m, k), jnp.bfloat16) for i in range(COPIES)]
-  b = [harness.random_normal(3 * i + 1, (k, n), jnp.bfloat16) for i in range(COPIES)]
-  d = [harness.random_normal(3 * i + 2, (m, n), jnp.bfloat16) for i in range(COPIES)]
+  a = [random_normal(3 * i, (m, k), jnp.bfloat16) for i in range(COPIES)]
+  b = [random_normal(3 * i + 1, (k, n), jnp.bfloat16) for i in range(COPIES)]
+  d = [random_normal(3 * i + 2, (m, n), jnp.bfloat16) for i in range(COPIES)]
   triton = functools.partial(kernels.matmul, out_dtype=jnp.bfloat16, precision=None,
                              interpret=False)
   at_b = functools.partial(kernels.matmul_at_b, out_dtype=jnp.bfloat16, precision=None,
@@ -67,15 +68,16 @@ def _hopper_passes(m, k, n):
 
 def _time_hopper(layout, tiles, args, reference):
   """(microseconds, whether the bits equal ``reference``) of one Hopper config."""
-  fn = functools.partial(hopper.matmul, layout=layout, out_dtype=jnp.bfloat16, tiles=tiles)
+  fn = functools.partial(hopper.matmul, layout=layout, out_dtype=jnp.bfloat16,
+                         tiles=hopper.fit_stages(tiles, jnp.bfloat16, jnp.bfloat16))
   same = np.array_equal(np.asarray(fn(*args[0])).view(np.uint16), reference)
-  return harness.time_us(fn, args), same
+  return bench.time_us(fn, args), same
 
 
 def hopper_sweep(m_values):
   """XLA, the Triton kernel the ladder picks, and each Hopper candidate: time
   (XLA/kernel) and whether the candidate's bits equal the Triton kernel's."""
-  print(f"# Hopper kernel sweep on {harness.device_description()}")
+  print(f"# Hopper kernel sweep on {bench.device_description()}")
   print("| pass | M | K | N | XLA us | Triton us | "
         + " | ".join(f"strip dim {c.strip_dim} width {c.strip_width}"
                      for c in HOPPER_CANDIDATES) + " |")
@@ -83,8 +85,8 @@ def hopper_sweep(m_values):
   for m in m_values:
     for k, n in HOPPER_KN:
       for pass_, xla_fn, triton_fn, layout, args in _hopper_passes(m, k, n):
-        xla = harness.time_us(xla_fn, args)
-        triton_us = harness.time_us(triton_fn, args)
+        xla = bench.time_us(xla_fn, args)
+        triton_us = bench.time_us(triton_fn, args)
         reference = np.asarray(triton_fn(*args[0])).view(np.uint16)
         cells = []
         for tiles in HOPPER_CANDIDATES:
@@ -99,25 +101,26 @@ def row_tile_sweep(m_values):
   Triton ladder's) and every Hopper forward/dA tile (XLA time / kernel time;
   bits against the pick)."""
   name = lambda t: f"{t.block_m}x{t.block_cols}"
-  print(f"# Hopper forward/dA tile sweep on {harness.device_description()}")
+  print(f"# Hopper forward/dA tile sweep on {bench.device_description()}")
   print("| pass | M | K | N | XLA us | pick | "
-        + " | ".join(name(t) for t, _ in hopper.ROW_TILES) + " |")
+        + " | ".join(name(t) for t in hopper.ROW_TILES) + " |")
   print("|---" * (6 + len(hopper.ROW_TILES)) + "|")
   for m in m_values:
     for k, n in HOPPER_KN:
       for pass_, xla_fn, triton_fn, layout, args in _hopper_passes(m, k, n)[:2]:
         cols = n if layout is hopper.Layout.NN else k
-        pick = hopper.tiles_for(layout, m, cols, jnp.bfloat16)
+        pick = hopper.tiles_for(layout, m, cols, jnp.bfloat16, jnp.bfloat16)
         pick_fn = (functools.partial(hopper.matmul, layout=layout, out_dtype=jnp.bfloat16,
                                      tiles=pick) if pick else triton_fn)
-        xla = harness.time_us(xla_fn, args)
+        xla = bench.time_us(xla_fn, args)
         reference = np.asarray(pick_fn(*args[0])).view(np.uint16)
         times = {}
         cells = []
-        for tiles, _ in hopper.ROW_TILES:
+        for tiles in hopper.ROW_TILES:
           times[tiles], same = _time_hopper(layout, tiles, args, reference)
+          times[hopper.fit_stages(tiles, jnp.bfloat16, jnp.bfloat16)] = times[tiles]
           cells.append(f"{xla / times[tiles]:.2f}{'' if same else ' BITS DIFFER'}")
-        pick_us = times[pick] if pick else harness.time_us(pick_fn, args)
+        pick_us = times[pick] if pick else bench.time_us(pick_fn, args)
         pick_name = name(pick) if pick else "Triton ladder"
         print(f"| {pass_} | {m} | {k} | {n} | {xla:.1f} | {pick_name} {xla / pick_us:.2f} | "
               + " | ".join(cells) + " |", flush=True)
@@ -127,7 +130,7 @@ def ladder_sweep(m_values):
   """Forward and dA at each M: XLA, the tile the ladder picks, and every
   candidate of LADDER_CANDIDATES (XLA time / kernel time; bits against the pick)."""
   name = lambda t: f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}"
-  print(f"# GEMM tile sweep on {harness.device_description()}")
+  print(f"# GEMM tile sweep on {bench.device_description()}")
   print("| pass | M | K | N | XLA us | ladder pick | best | candidates |\n" + "|---" * 8 + "|")
   triton = functools.partial(kernels.matmul, out_dtype=jnp.bfloat16, precision=None,
                              interpret=False)
@@ -135,11 +138,11 @@ def ladder_sweep(m_values):
     for transpose_b in (False, True):  # dA contracts over N and returns [M, K]
       cols, depth = (k, n) if transpose_b else (n, k)
       b_shape = (1, cols, depth) if transpose_b else (1, depth, cols)
-      bs = [harness.random_normal(i, b_shape, jnp.bfloat16) for i in range(COPIES)]
+      bs = [random_normal(i, b_shape, jnp.bfloat16) for i in range(COPIES)]
       for m in m_values:
-        a = [harness.random_normal(10 + i, (1, m, depth), jnp.bfloat16) for i in range(COPIES)]
+        a = [random_normal(10 + i, (1, m, depth), jnp.bfloat16) for i in range(COPIES)]
         args = list(zip(a, bs))
-        xla = harness.time_us(
+        xla = bench.time_us(
             lambda x, y: jnp.dot(x[0], y[0].T if transpose_b else y[0]), args)
         pick = kernels.matmul_tiles(m, cols, 2, interpret=False)
         reference = np.asarray(triton(*args[0], transpose_b=transpose_b, tiles=pick))
@@ -148,7 +151,7 @@ def ladder_sweep(m_values):
           fn = functools.partial(triton, transpose_b=transpose_b, tiles=tiles)
           same = np.array_equal(np.asarray(fn(*args[0])).view(np.uint16),
                                 reference.view(np.uint16))
-          results.append((xla / harness.time_us(fn, args), tiles, same))
+          results.append((xla / bench.time_us(fn, args), tiles, same))
         best = max(results[1:], key=lambda r: r[0])
         cells = ", ".join(f"{name(t)} {r:.2f}{'' if same else ' BITS DIFFER'}"
                           for r, t, same in results[1:])
@@ -161,13 +164,13 @@ def at_b_sweep(m=1024):
   """dB (Triton kernel) tiles at one M: they may depend on K and N only."""
   print("| pass | M | K | N | tiles | us | XLA us | XLA/jdet |\n" + "|---" * 8 + "|")
   for k, n in HOPPER_KN:
-    a = harness.random_normal(0, (1, m, k), jnp.bfloat16)
-    d = harness.random_normal(2, (1, m, n), jnp.bfloat16)
-    xla = harness.time_us(lambda x, y: jnp.dot(x.T, y), [(a[0], d[0])])
+    a = random_normal(0, (1, m, k), jnp.bfloat16)
+    d = random_normal(2, (1, m, n), jnp.bfloat16)
+    xla = bench.time_us(lambda x, y: jnp.dot(x.T, y), [(a[0], d[0])])
     for tiles in AT_B_CANDIDATES:
       fn = functools.partial(kernels.matmul_at_b, out_dtype=jnp.bfloat16, precision=None,
                              tiles=tiles, interpret=False)
-      us = harness.time_us(fn, [(a, d)])
+      us = bench.time_us(fn, [(a, d)])
       print(f"| dB | {m} | {k} | {n} | {tiles} | {us:.1f} | {xla:.1f} | {xla / us:.2f} |",
             flush=True)
 

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jdet
-from benchmarks import harness
+from jdet import bench
+from jdet.testing import random_normal
 from jdet.testing import relative_error
 from pallas_kernels import sinkhorn as kernels
 
@@ -40,13 +41,13 @@ def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--n", type=int, nargs="+", default=[4, 8, 16])
   args = parser.parse_args()
-  print(f"# Sinkhorn tile sweep on {harness.device_description()}, jax {jax.__version__}, "
+  print(f"# Sinkhorn tile sweep on {bench.device_description()}, jax {jax.__version__}, "
         f"T={TOKENS}, iters={ITERS}")
   print("| pass | n | tiles | us | compile s | grad rel error | 1000 alone same bits "
         "| bits equal to first |\n|---|---|---|---|---|---|---|---|")
   for n in args.n:
-    sets = [(harness.random_normal(2 * i, (TOKENS, n, n), jnp.float32),
-             harness.random_normal(2 * i + 1, (TOKENS, n, n), jnp.float32)) for i in range(4)]
+    sets = [(random_normal(2 * i, (TOKENS, n, n)),
+             random_normal(2 * i + 1, (TOKENS, n, n))) for i in range(4)]
     result_sets = [(jdet.sinkhorn(x, iters=ITERS), g) for x, g in sets]
     _, reference_vjp = jax.vjp(lambda x: jdet.sinkhorn_reference(x, iters=ITERS),
                                sets[0][0][:CHECKED])
@@ -72,7 +73,7 @@ def main():
         first = bits if first is None else first
         error = ("-" if name != "bwd unrolled"  # implicit: the fixed point's gradient
                  else f"{relative_error(out[:CHECKED], reference_grad):.1e}")
-        us = harness.time_us(fn, arg_sets)
+        us = bench.time_us(fn, arg_sets)
         same_alone = np.array_equal(alone.view(np.uint32), bits[:1000])
         print(f"| {name} | {n} | {tiles} | {us:.1f} | {compile_s:.1f} | {error} | "
               f"{same_alone} | {np.array_equal(bits, first)} |", flush=True)

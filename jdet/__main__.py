@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-
-OPS = ("matmul", "sinkhorn", "tri_inverse")
 
 
 def main(argv=None) -> int:
+  from jdet._registry import OPS
   parser = argparse.ArgumentParser(prog="python -m jdet", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)
   check = sub.add_parser("check", help="invariance, determinism and accuracy of every op")
-  check.add_argument("--op", choices=OPS, action="append",
+  check.add_argument("--op", choices=list(OPS), action="append",
                      help="only this op (repeatable); default: all")
   check.add_argument("--small", action="store_true",
                      help="small shapes even on a GPU (the CPU default)")
@@ -21,7 +21,7 @@ def main(argv=None) -> int:
                           "trials per op (jdet.fuzz); each failure prints a one-line repro")
   check.add_argument("--seed", type=int, default=0, help="seed of the --trials fuzz")
   bench = sub.add_parser("bench", help="timings versus XLA, as a table and a plot")
-  bench.add_argument("--op", choices=OPS, action="append",
+  bench.add_argument("--op", choices=list(OPS), action="append",
                      help="only this op (repeatable); default: all")
   bench.add_argument("--out", default=None, help="folder for results.md and results.png")
   args = parser.parse_args(argv)
@@ -33,8 +33,25 @@ def main(argv=None) -> int:
   if args.command == "check":
     from jdet import check as check_module
     return check_module.main(args.op, full=False if args.small else None)
-  from benchmarks import report
-  return report.main(args.op or OPS, args.out)
+  return _bench(args.op or list(OPS), args.out)
+
+
+def _bench(ops, out_dir) -> int:
+  from jdet import bench
+  from jdet._registry import OPS
+  rows = bench.report("jdet bench", [c for op in ops for c in OPS[op].bench_cases(bench.on_gpu())])
+  if out_dir:
+    os.makedirs(out_dir, exist_ok=True)
+    markdown = os.path.join(out_dir, "results.md")
+    with open(markdown, "w") as f:
+      f.write(f"# jdet bench on {bench.device_description()}\n\n")
+      if bench.interpret_warning():
+        f.write(bench.interpret_warning() + "\n\n")
+      f.write(bench.markdown_table(rows) + "\n")
+    png = os.path.join(out_dir, "results.png")
+    print(f"wrote {markdown}" + (f" and {png}" if bench.plot(rows, png) else
+                                 " (no plot: install matplotlib, e.g. pip install -e '.[plot]')"))
+  return 0
 
 
 if __name__ == "__main__":

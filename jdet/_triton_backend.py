@@ -13,6 +13,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.matmul import pad_contraction
+
 INSTALL_HINT = ("python3 -m pip install 'jdet[triton]' (jax-triton >= 0.3.1 with triton >= 3.6, "
                 "and a CUDA build of jax: 'jdet[cuda,triton]')")
 
@@ -32,13 +34,15 @@ def load_jax_triton():
 def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles):
   """Same contract and shapes as :func:`pallas_kernels.matmul.matmul`, on the Triton kernel.
 
-  a: [G, M, Kp]; b: [Gb, Kp, N] (or [Gb, N, Kp] if transpose_b), Gb in {1, G}.
+  a: [G, M, K]; b: [Gb, K, N] (or [Gb, N, K] if transpose_b), Gb in {1, G}.
   """
+  a, b = pad_contraction(a, 2), pad_contraction(b, 2 if transpose_b else 1)
   return _matmul_launcher(transpose_b, jnp.dtype(out_dtype), precision, tiles)(a, b)
 
 
 def matmul_at_b(a, d, *, out_dtype, precision, tiles):
   """Same contract and shapes as :func:`pallas_kernels.matmul.matmul_at_b`, on Triton."""
+  a, d = pad_contraction(a, 1), pad_contraction(d, 1)
   return _at_b_launcher(jnp.dtype(out_dtype), precision, tiles)(a, d)
 
 

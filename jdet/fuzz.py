@@ -12,8 +12,9 @@ bitwise those of the full batch under plain ``jit``.
 
 ``GENERATORS`` maps each op to ``trial(rng)``: it returns None or raises an
 AssertionError whose message describes the case (op, shapes, dtype, options,
-transform, rows). :func:`run_trial` seeds ``rng`` from (seed, op, index) and
-adds the one-line command that replays the trial.
+transform, rows). Ops without one run their registry ``sweep_case``.
+:func:`run_trial` seeds ``rng`` from (seed, op, index) and adds the one-line
+command that replays the trial.
 """
 
 from __future__ import annotations
@@ -206,11 +207,19 @@ def repro_command(op: str, seed: int, index: int) -> str:
           f"index={index})\"")
 
 
+def generator(op: str):
+  """The op's trial: its entry in GENERATORS, else its registry ``sweep_case``."""
+  if op in GENERATORS:
+    return GENERATORS[op]
+  from jdet._registry import OPS
+  return OPS[op].sweep_case
+
+
 def run_trial(op: str, *, seed: int, index: int) -> None:
   """Runs one trial; on failure raises AssertionError with the case and the
   command that replays it."""
   try:
-    GENERATORS[op](trial_rng(op, seed, index))
+    generator(op)(trial_rng(op, seed, index))
   except AssertionError as err:
     raise AssertionError(f"{op} trial {index} (seed {seed}) failed: {err}\n"
                          f"REPRO: {repro_command(op, seed, index)}") from None

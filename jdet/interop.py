@@ -13,7 +13,6 @@ from __future__ import annotations
 from jax import lax
 
 from pallas_kernels import matmul as kernels
-from pallas_kernels._common import cdiv
 
 
 def _import_torch():
@@ -73,7 +72,7 @@ def torch_matmul(a, b, *, precision: lax.Precision | None = None, out_dtype=None
   out = torch.empty((m, n), dtype=out_dtype, device=a.device)
   if m == 0:
     return out.reshape(*a.shape[:-1], n)
-  kp = cdiv(k, kernels.BLOCK_K) * kernels.BLOCK_K
+  kp = -(-k // kernels.BLOCK_K) * kernels.BLOCK_K  # the launchers' zero-padded contraction
   rows = torch.nn.functional.pad(rows, (0, kp - k)).contiguous()
   weight = torch.nn.functional.pad(b.to(compute_dtype), (0, 0, 0, kp - k)).contiguous()
   tiles = kernels.matmul_tiles(m, n, rows.element_size(), interpret=False)

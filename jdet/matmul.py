@@ -15,7 +15,6 @@ from jdet._backend import (FLOAT_DTYPES, as_array, check_float, check_ndim, chec
                            differentiable_once, use_interpret)
 from pallas_kernels import hopper_matmul as hopper
 from pallas_kernels import matmul as kernels
-from pallas_kernels._common import pad_axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,11 +133,11 @@ def _hopper_tiles(config: _GemmConfig, layout, a, b, rows: int, cols: int):
   (G = 1) and a size the kernel serves."""
   if config.backend != "pallas" or config.interpret or a.shape[0] != 1 or b.shape[0] != 1:
     return None
-  return hopper.tiles_for(layout, rows, cols, a.dtype)
+  return hopper.tiles_for(layout, rows, cols, a.dtype, config.out_dtype)
 
 
 def _launch_matmul(config: _GemmConfig, a, b, *, transpose_b, out_dtype):
-  """``a @ b`` (``a @ bᵀ``): a: [G, M, Kp]; b: [Gb, Kp, N] ([Gb, N, Kp])."""
+  """``a @ b`` (``a @ bᵀ``): a: [G, M, K]; b: [Gb, K, N] ([Gb, N, K])."""
   m = a.shape[1]
   n = b.shape[1] if transpose_b else b.shape[2]
   layout = hopper.Layout.NT if transpose_b else hopper.Layout.NN
@@ -155,7 +154,7 @@ def _launch_matmul(config: _GemmConfig, a, b, *, transpose_b, out_dtype):
 
 
 def _launch_at_b(config: _GemmConfig, a, d, *, out_dtype):
-  """``aᵀ @ d``: a: [G, Rp, K]; d: [G, Rp, N]."""
+  """``aᵀ @ d``: a: [G, R, K]; d: [G, R, N]."""
   k, n = a.shape[2], d.shape[2]
   hopper_tiles = _hopper_tiles(config, hopper.Layout.TN, a, d, k, n)
   if hopper_tiles:
@@ -193,11 +192,11 @@ def _broadcast_fixed_order(x, shape):
   return jnp.broadcast_to(x, shape)
 
 
-def _broadcast_fwd(x, shape):
+def _broadcast_forward(x, shape):
   return jnp.broadcast_to(x, shape), x.shape
 
 
-def _broadcast_bwd(shape, x_shape, g):
+def _broadcast_backward(shape, x_shape, g):
   """Sums the broadcast copies one at a time, in index order (never a tree)."""
   for axis, size in enumerate(x_shape):
     if size == 1 and g.shape[axis] != 1:
@@ -207,42 +206,36 @@ def _broadcast_bwd(shape, x_shape, g):
   return (g,)
 
 
-_broadcast_fixed_order.defvjp(_broadcast_fwd, _broadcast_bwd)
+_broadcast_fixed_order.defvjp(_broadcast_forward, _broadcast_backward)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _gemm(a, b, config: _GemmConfig):
   """a: [G, R, K]; b: [Gb, K, N] with Gb in {1, G}; returns [G, R, N]."""
-  a_p = pad_axis(a, 2, kernels.BLOCK_K)
-  b_p = pad_axis(b, 1, kernels.BLOCK_K)
-  return _launch_matmul(config, a_p, b_p, transpose_b=False, out_dtype=config.out_dtype)
+  return _launch_matmul(config, a, b, transpose_b=False, out_dtype=config.out_dtype)
 
 
-def _gemm_fwd(a, b, config):
+def _gemm_forward(a, b, config):
   return _gemm(a, b, config), (a, b)
 
 
-def _gemm_bwd(config, residuals, dc):
+def _gemm_backward(config, residuals, dc):
   a, b = residuals
   g, r, k = a.shape
   n = b.shape[2]
   dtype = jnp.result_type(dc.dtype, a.dtype)
   dc = dc.astype(dtype)
   # dA = dC @ Bᵀ: the same invariant kernel, contracting over N in fixed steps.
-  da = _launch_matmul(
-      config, pad_axis(dc, 2, kernels.BLOCK_K), pad_axis(b.astype(dtype), 2, kernels.BLOCK_K),
-      transpose_b=True, out_dtype=a.dtype)
+  da = _launch_matmul(config, dc, b.astype(dtype), transpose_b=True, out_dtype=a.dtype)
   # dB = Aᵀ @ dC: reduced over rows (all groups' rows when b is shared) in
   # fixed 64-row steps; zero rows pad the last step.
   if b.shape[0] == 1:
     a, dc = a.reshape(1, g * r, k), dc.reshape(1, g * r, n)
-  db = _launch_at_b(
-      config, pad_axis(a.astype(dtype), 1, kernels.BLOCK_K), pad_axis(dc, 1, kernels.BLOCK_K),
-      out_dtype=b.dtype)
+  db = _launch_at_b(config, a.astype(dtype), dc, out_dtype=b.dtype)
   return da, db
 
 
-_gemm = differentiable_once("matmul", _gemm, _gemm_fwd, _gemm_bwd)
+_gemm = differentiable_once("matmul", _gemm, _gemm_forward, _gemm_backward)
 
 
 def matmul_reference(a, b, *, precision=lax.Precision.HIGHEST, preferred_element_type=None):

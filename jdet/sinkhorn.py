@@ -135,12 +135,12 @@ def _sinkhorn(logits, config: _SinkhornConfig):
       tiles=_forward_tiles(config), interpret=config.interpret)
 
 
-def _sinkhorn_fwd(logits, config):
+def _sinkhorn_forward(logits, config):
   out = _sinkhorn(logits, config)
   return out, (out if config.grad == "implicit" else logits)
 
 
-def _sinkhorn_bwd(config, saved, cotangent):
+def _sinkhorn_backward(config, saved, cotangent):
   cotangent = cotangent.astype(jnp.float32)
   if config.grad == "implicit":
     dlogits = kernels.sinkhorn_implicit_backward(
@@ -153,7 +153,8 @@ def _sinkhorn_bwd(config, saved, cotangent):
   return (dlogits,)
 
 
-_sinkhorn = differentiable_once("sinkhorn", _sinkhorn, _sinkhorn_fwd, _sinkhorn_bwd)
+_sinkhorn = differentiable_once("sinkhorn", _sinkhorn, _sinkhorn_forward,
+                                _sinkhorn_backward)
 
 
 def sinkhorn_residual(r):

@@ -1,6 +1,8 @@
 """Bitwise invariance checks for functions built on jdet (or on anything else).
 
-Use them in pytest like any assertion::
+``audit(fn, *args)`` reads ``fn``'s jaxpr and lists the operations outside
+jdet's ops that can make a result depend on the batch; the assertions run
+``fn`` and compare bits. Use them in pytest like any assertion::
 
     def test_my_layer_is_batch_invariant():
       x = jax.random.normal(jax.random.key(0), (64, 512))
@@ -14,14 +16,20 @@ depends on its own row only).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
+import os
+import sysconfig
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
 
 __all__ = ["assert_batch_invariant", "assert_deterministic", "assert_bitwise_equal",
-           "bits", "relative_error"]
+           "audit", "Finding", "bits", "random_normal", "relative_error"]
 
 
 def bits(x) -> np.ndarray:
@@ -30,6 +38,14 @@ def bits(x) -> np.ndarray:
   if x.dtype.kind in "fc" or x.dtype.name in ("bfloat16", "float16"):
     return x.view(f"u{x.dtype.itemsize}")
   return x
+
+
+def random_normal(seed: int | np.random.Generator, shape, dtype=jnp.float32) -> jax.Array:
+  """Standard-normal test input: drawn in float32 by NumPy (from a seed or a
+  ``np.random.Generator``), then cast to ``dtype``. The one input builder of
+  jdet's tests, checks and benchmarks."""
+  rng = seed if isinstance(seed, np.random.Generator) else np.random.default_rng(seed)
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
 
 
 def relative_error(got, want) -> float:
@@ -169,3 +185,225 @@ def assert_deterministic(fn: Callable[..., Any], *args, runs: int = 10) -> None:
   first = jax.block_until_ready(jfn(*args))
   for run in range(1, runs):
     assert_bitwise_equal(jfn(*args), first, what=f"run {run} vs run 0")
+
+
+_REDUCTION_HINT = ("XLA may change this sum's order with the batch shape: use the jdet op "
+                   "that computes it (rms_norm, softmax, log_softmax, logsumexp, "
+                   "token_logprobs)")
+_SCATTER_HINT = ("adds colliding updates in an order XLA picks (atomics on the GPU); the "
+                 "gradient of a gather is one: write it as a one-hot jdet.matmul")
+_COLLECTIVE_HINT = ("a cross-device reduction in an order the collective picks: gather the "
+                    "per-device values and add them in a fixed order")
+_SOLVE_HINT = ("a factorization/solve whose blocking XLA may change with the batch "
+               "(unit-lower-triangular inverses: jdet.tri_inverse)")
+
+# The primitives whose result can depend on the batch around a row, with what to do
+# instead. Exact in any order, and so absent: max/min/argmax/argmin and their
+# cumulative, windowed and collective forms, and/or/xor, gather, plain scatter.
+_HINTS = {
+    "dot_general": "use jdet.matmul (attention: jdet.dot_product_attention; LM-head "
+                   "log-probs: jdet.token_logprobs)",
+    "ragged_dot": "use jdet.matmul per group",
+    "ragged_dot_general": "use jdet.matmul per group",
+    "conv_general_dilated": "XLA picks the convolution algorithm by shape; jdet has no "
+                            "convolution (write it as a jdet.matmul of patches)",
+    "reduce_sum": _REDUCTION_HINT,
+    "reduce_prod": "a product whose order XLA may change with the batch shape",
+    "reduce": "a custom reduction whose order XLA may change with the batch shape",
+    "reduce_window_sum": "a windowed sum whose order XLA may change with the batch shape",
+    "reduce_window": "a windowed reduction whose order XLA may change with the batch shape",
+    "select_and_scatter_add": _SCATTER_HINT,
+    "cumsum": "a prefix sum whose association XLA picks by shape",
+    "cumprod": "a prefix product whose association XLA picks by shape",
+    "cumlogsumexp": "a prefix sum whose association XLA picks by shape",
+    "sort": "values are exact, but the order of equal keys (and any index output) is not "
+            "promised: break ties with a second key",
+    "top_k": "values are exact, but which of equal values comes first is not promised",
+    "approx_top_k": "approximate: its result may change with the batch",
+    "scatter-add": _SCATTER_HINT,
+    "scatter_add": _SCATTER_HINT,
+    "scatter-sub": _SCATTER_HINT,
+    "scatter_sub": _SCATTER_HINT,
+    "scatter-mul": _SCATTER_HINT,
+    "scatter_mul": _SCATTER_HINT,
+    "psum": _COLLECTIVE_HINT,
+    "psum2": _COLLECTIVE_HINT,
+    "psum_invariant": _COLLECTIVE_HINT,
+    "reduce_scatter": _COLLECTIVE_HINT,
+    "custom_linear_solve": _SOLVE_HINT,
+    "triangular_solve": _SOLVE_HINT,
+    "lu": _SOLVE_HINT,
+    "cholesky": _SOLVE_HINT,
+    "qr": _SOLVE_HINT,
+    "householder_product": _SOLVE_HINT,
+    "eig": _SOLVE_HINT,
+    "eigh": _SOLVE_HINT,
+    "svd": _SOLVE_HINT,
+    "schur": _SOLVE_HINT,
+    "tridiagonal": _SOLVE_HINT,
+    "tridiagonal_solve": _SOLVE_HINT,
+    "fft": "XLA's FFT plan may change with the batch shape",
+}
+# Primitives audit does not look inside: a Pallas kernel is its author's business
+# (jdet's own are checked by its tests), and a flagged solve is one finding.
+_OPAQUE = {"pallas_call", "custom_linear_solve"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+  """One operation that can make a result depend on the batch.
+
+  ``file``/``line``/``function`` name the innermost frame of user code (outside jax
+  and the standard library) that created it; ``where`` names the primitives it sits
+  inside (e.g. ``("jit", "scan")``).
+  """
+  primitive: str
+  file: str
+  line: int
+  function: str
+  hint: str
+  where: tuple[str, ...] = ()
+
+  def __str__(self) -> str:
+    inside = f" [in {'/'.join(self.where)}]" if self.where else ""
+    return f"{self.file}:{self.line} ({self.function}): {self.primitive}{inside}: {self.hint}"
+
+
+def audit(fn: Callable[..., Any], *args, **kwargs) -> list[Finding]:
+  """Lists the operations of ``fn(*args, **kwargs)`` that can break batch invariance.
+
+  ``fn`` is traced with :func:`jax.make_jaxpr` (nothing runs): array leaves of
+  ``args``/``kwargs`` (or ``jax.ShapeDtypeStruct``s) are traced, other leaves are
+  passed as they are. The jaxpr is walked into every sub-jaxpr (``jit``, ``scan``,
+  ``while``, ``cond``, ``custom_jvp``/``custom_vjp``, ``remat``, ``shard_map``, ...),
+  and every operation whose result can depend on the other rows of the batch gives
+  one :class:`Finding`: ``dot_general``, convolutions, sums and products
+  (``reduce_sum`` over more than one element, cumulative sums), ``sort``/``top_k``,
+  scatter-adds, cross-device sums, linear solves and FFTs. Max/min reductions are
+  exact in any order and are not listed.
+
+  Operations created while a jdet op runs (its argument handling, kernels,
+  ``custom_vjp`` rules and, under ``jax.grad``, its backward) are jdet's and are
+  not listed: jax records the Python stack of every operation, and an operation
+  belongs to jdet when a frame of that stack is a public jdet op (anything the
+  ``jdet`` package exports except the ``*_reference`` functions) or lies in
+  ``pallas_kernels``. Everything under an operation that belongs to jdet does too.
+
+  Returns ``[]`` for a function built only from jdet ops and elementwise math.
+  To audit a training step, audit the function that computes the gradient: the
+  backward exists only there. An empty list is not a proof of invariance (XLA
+  can still fuse elementwise math differently per program); check the bits with
+  :func:`assert_batch_invariant`.
+  """
+  leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+  traced = [i for i, leaf in enumerate(leaves) if hasattr(leaf, "shape") and hasattr(leaf, "dtype")]
+
+  def call(*arrays):
+    full = list(leaves)
+    for i, array in zip(traced, arrays):
+      full[i] = array
+    call_args, call_kwargs = jax.tree_util.tree_unflatten(tree, full)
+    return fn(*call_args, **call_kwargs)
+
+  closed = jax.make_jaxpr(call)(*[leaves[i] for i in traced])
+  findings: list[Finding] = []
+  _walk(closed.jaxpr, findings, owned=False, outer=None, where=())
+  return findings
+
+
+def _walk(jaxpr, findings, *, owned, outer, where):
+  jdet_code = _jdet_code()
+  for eqn in _live(jaxpr):
+    frames = _frames(eqn)
+    eqn_owned = owned or any((f.file_name, f.function_start_line) in jdet_code
+                             or f.file_name.startswith(_KERNEL_DIR) for f in frames)
+    frame = _user_frame(frames) or outer
+    name = eqn.primitive.name
+    if not eqn_owned and name in _HINTS and _reduces(eqn):
+      file, line, function = frame or ("<unknown>", 0, "<unknown>")
+      findings.append(Finding(name, file, line, function, _HINTS[name], where))
+    if name in _OPAQUE:
+      continue
+    label = f"{name}({eqn.params['name']})" if isinstance(eqn.params.get("name"), str) else name
+    for sub in _sub_jaxprs(eqn.params.values()):
+      _walk(sub, findings, owned=eqn_owned, outer=frame, where=where + (label,))
+
+
+def _live(jaxpr):
+  """The equations whose results reach an output or that have effects (XLA drops the
+  rest; e.g. ``jax.grad`` of ``jnp.max`` traces a count it never uses)."""
+  used = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+  live = []
+  for eqn in reversed(jaxpr.eqns):
+    if eqn.effects or any(v in used for v in eqn.outvars):
+      live.append(eqn)
+      used.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+  return live[::-1]
+
+
+def _frames(eqn):
+  traceback = eqn.source_info.traceback
+  return traceback.frames if traceback is not None else ()
+
+
+def _reduces(eqn) -> bool:
+  """False where the arithmetic is exact in any order: integer or boolean results, and
+  sums of a single element (over size-1 axes)."""
+  name = eqn.primitive.name
+  if name not in ("sort", "top_k", "approx_top_k") and not any(
+      jnp.issubdtype(v.aval.dtype, jnp.inexact) for v in eqn.outvars
+      if hasattr(v.aval, "dtype")):
+    return False
+  if name in ("reduce_sum", "reduce_prod"):
+    shape = eqn.invars[0].aval.shape
+    return int(np.prod([shape[a] for a in eqn.params["axes"]], dtype=np.int64)) > 1
+  if name == "dot_general":
+    (contract, _), _ = eqn.params["dimension_numbers"]
+    shape = eqn.invars[0].aval.shape
+    return int(np.prod([shape[a] for a in contract], dtype=np.int64)) > 1
+  if name in ("cumsum", "cumprod", "cumlogsumexp"):
+    return eqn.invars[0].aval.shape[eqn.params["axis"]] > 1
+  return True
+
+
+def _sub_jaxprs(values):
+  for value in values:
+    if isinstance(value, jex_core.ClosedJaxpr):
+      yield value.jaxpr
+    elif isinstance(value, jex_core.Jaxpr):
+      yield value
+    elif isinstance(value, (tuple, list)):
+      yield from _sub_jaxprs(value)
+
+
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_KERNEL_DIR = os.path.join(_PACKAGE_ROOT, "pallas_kernels") + os.sep
+# Frames of these files are the machinery, never the user's line.
+_NOT_USER = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+                  for m in (jax, np)) + (os.path.dirname(os.__file__) + os.sep,
+                                         sysconfig.get_path("stdlib") + os.sep)
+
+
+def _user_frame(frames):
+  """(file, line, function) of the innermost frame outside jax, NumPy and the stdlib."""
+  for f in frames:
+    if not f.file_name.startswith(_NOT_USER):
+      return f.file_name, f.line_num, f.function_name
+  return None
+
+
+@functools.cache
+def _jdet_code() -> frozenset[tuple[str, int]]:
+  """(file, first line) of every public jdet op: jax's frames record both."""
+  import jdet
+  code = set()
+  for name in dir(jdet):
+    op = getattr(jdet, name)
+    while isinstance(op, functools.partial):
+      op = op.func
+    op = inspect.unwrap(op)
+    if (name.startswith("_") or name.endswith("_reference") or not inspect.isfunction(op)
+        or not op.__module__.startswith("jdet.")):
+      continue
+    code.add((op.__code__.co_filename, op.__code__.co_firstlineno))
+  return frozenset(code)

@@ -14,7 +14,6 @@ from jax import lax
 from jdet._backend import (as_array, check_float, check_ndim, check_precision,
                            differentiable_once, use_interpret)
 from pallas_kernels import tri_inverse as kernels
-from pallas_kernels._common import pad_axis
 
 METHODS = ("blocked", "doubling")
 
@@ -105,20 +104,11 @@ def _tiles(n: int, config: _TriInverseConfig, *, backward: bool = False
   return kernels.tri_inverse_tiles(n, interpret=config.interpret, backward=backward)
 
 
-def _pad_batch(x, tiles: kernels.TriInverseTiles):
-  """Appends zero matrices up to a multiple of the matrices per program."""
-  return pad_axis(x, 0, tiles.matrices_per_program)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _tri_inverse(a, config: _TriInverseConfig):
   """a: [B, n, n]; returns X: [B, n, n] float32."""
-  batch, n, _ = a.shape
-  tiles = _tiles(n, config)
-  x = kernels.tri_inverse(_pad_batch(a, tiles), method=config.method,
-                          precision=config.precision, tiles=tiles,
-                          interpret=config.interpret)
-  return x[:batch]
+  return kernels.tri_inverse(a, method=config.method, precision=config.precision,
+                             tiles=_tiles(a.shape[-1], config), interpret=config.interpret)
 
 
 def _tri_inverse_forward(a, config):
@@ -127,13 +117,10 @@ def _tri_inverse_forward(a, config):
 
 
 def _tri_inverse_backward(config, x, g):
-  batch, n, _ = x.shape
-  tiles = _tiles(n, config, backward=True)
   da = kernels.tri_inverse_backward(
-      _pad_batch(x, tiles), _pad_batch(g.astype(jnp.float32), tiles),
-      out_dtype=config.input_dtype, precision=config.precision, tiles=tiles,
-      interpret=config.interpret)
-  return (da[:batch],)
+      x, g.astype(jnp.float32), out_dtype=config.input_dtype, precision=config.precision,
+      tiles=_tiles(x.shape[-1], config, backward=True), interpret=config.interpret)
+  return (da,)
 
 
 _tri_inverse = differentiable_once("tri_inverse", _tri_inverse, _tri_inverse_forward,

@@ -27,6 +27,15 @@ def pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
+def lookup_tiles(table, size: int):
+  """The tiles of the first ``(largest size served, tiles)`` entry of ``table``
+  (sorted by size) that serves ``size``: the one shape of jdet's tile tables."""
+  for largest, tiles in table:
+    if size <= largest:
+      return tiles
+  raise ValueError(f"size {size} exceeds the largest this tile table serves ({table[-1][0]})")
+
+
 def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
@@ -159,13 +168,33 @@ def store_block(ref, value, rows=None, cols=None):
   pltriton.store(ref, value, mask=mask)
 
 
+def divide(x, y, *, native: bool):
+  """Elementwise float32 ``x / y`` rounded once (IEEE), inside a kernel; operands broadcast.
+
+  The Triton lowering of ``/`` on float32 is ``div.full.f32`` (approximate, up to
+  2 ulp), so ``native=True`` (GPU only) issues ``div.rn.f32``. Interpret mode
+  needs ``native=False``. Either way a value's bits depend on its operands alone.
+  """
+  return _ptx_f32("div.rn.f32 $0, $1, $2;", x, y) if native else x / y
+
+
+def multiply(a, b):
+  """Elementwise float32 ``a * b`` as one ``mul.rn.f32`` (GPU only): ptxas never
+  contracts an instruction with an explicit rounding mode into a fused
+  multiply-add, so the product is rounded on its own whatever follows it."""
+  return _ptx_f32("mul.rn.f32 $0, $1, $2;", a, b)
+
+
 __all__ = [
     "block_mask",
     "cdiv",
     "compiler_params",
+    "divide",
     "dot_f32",
     "launcher",
     "load_block",
+    "lookup_tiles",
+    "multiply",
     "multiply_add",
     "pad_axis",
     "reciprocal",

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import matmul as ladder
 from pallas_kernels._common import cdiv, pad_axis
-from pallas_kernels.matmul import BLOCK_K
+from pallas_kernels.matmul import BLOCK_K, pad_contraction
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -51,13 +51,16 @@ class HopperTiles:
   the rhs block. ``stages`` TMA loads run ahead. Programs take the tiles in
   strips ``strip_width`` tiles wide across ``strip_dim`` (0: rows of tiles, 1:
   columns), the index across the strip changing fastest, every other strip
-  walked backwards (L2 reuse). None of it changes the sums."""
+  walked backwards (L2 reuse). None of it changes the sums. ``throughput``
+  is the tile's measured throughput per SM relative to 128 x 128, which the
+  forward/dA tile rule (:func:`row_tiles`) weighs."""
   block_m: int = 128
   block_n: int = 128
   stages: int = 4
   strip_dim: int = 0
   strip_width: int = 8
   split_rows: bool = False
+  throughput: float = 1.0
 
   def __post_init__(self):
     if self.split_rows and self.block_m != 128:
@@ -74,77 +77,46 @@ class HopperTiles:
     return cdiv(rows, self.block_m) * cdiv(cols, self.block_cols)
 
 
-# The strip order, stages and the 128 x 256 tile (dB's, and the forward/dA
-# tile for large results) were chosen on the H100 by
-# `benchmarks/tune_matmul.py --hopper-m 1024 4096` (jax 0.11.2, bf16, CUPTI
-# kernel time, the K x N of benchmarks/bench_matmul.py, forward, dA and dB; the
-# tables are in benchmarks/results/h100.md). As XLA time / this kernel's:
-#   strips 8 row-tiles wide (chosen): 0.89-1.06 at M = 1024, 0.96-0.98 at
-#   M = 4096, 0.92-1.07 at M = 16384;
-#   strips one row-tile wide: down to 0.51 at M = 1024, N = 32000 (B streams
-#   from HBM once per row of tiles); one column wide: 0.86-0.98 at M = 16384
-#   (A streams once per column); 16 columns wide: 0.65-1.02;
-#   issuing a step's wgmma before the last one finished: at most 0.01 faster,
-#   and its launch failed when the contraction is a single step.
-# Splitting it by rows (each warpgroup one m64n256 wgmma per k16, as in
-# CUTLASS's cooperative kernel) together with the stage ring across tiles took
-# M = 4096 from 0.96-0.98 to 0.98-1.00 forward and 0.97-0.98 to 0.99-1.00 for
-# dB, in one scratch run (the ring alone: 0.97-0.99 forward; both tables in
-# h100.md, eighth session). Two schedules that would hide the epilogue or cut L2
-# traffic ran no faster at M = 4096 and 16384 (ninth session): a ping-pong
-# kernel, each consumer warpgroup taking whole tiles in turn, ran 0.57-0.96 of
-# XLA with 128 x 128 per warpgroup and 0.81-0.93 with 64 x 256, where this tile
-# ran 0.91-1.06; multicasting B across 2-CTA clusters ran within 0.01 of it
-# at M = 4096, and 2 stages of 128 contraction steps 0.01-0.03 slower.
-TILES = HopperTiles(split_rows=True)
+# dB's tile, and the forward/dA tile for large results: strips 8 row-tiles
+# wide, 4 stages, warpgroups split by rows, one stage ring across tiles
+# (`benchmarks/tune_matmul.py --hopper-m`; notes/h100_notebook.md, "the Mosaic
+# kernel's config sweep" and the eighth and ninth sessions' sections, which
+# also record the schedules that were not adopted).
+TILES = HopperTiles(split_rows=True, throughput=1.15)
 
-# Forward/dA program tiles (block_m x 2 block_n results), each with its
-# throughput per SM relative to the 128 x 128 one. A result of rows x cols
-# takes the tile with the least estimated time, waves x tile area /
-# throughput, where waves = ceil(programs / SMs): with a fixed K order no
-# program may take part of another's contraction (no split-K), so the choice
-# is about filling the last wave. Measured on the H100 (jax 0.11.2, bf16, CUPTI
-# kernel time, the ten forward and dA GEMMs of the benchmark's K x N; scratch
-# sweeps and `tune_matmul.py --row-tiles-m`, tables in
-# benchmarks/results/h100.md): at M = 512 with a 4096-column result (one wave
-# each) 128 x 128 ran 0.97-1.00 of XLA, 64 x 256 0.87-0.92 and 64 x 128 (two
-# waves) 0.56-0.82; at M = 1536, 128 x 256 (two waves) 0.82-0.83 against
-# 0.95-0.96 for 128 x 128 (three). Over M = 192-1536 (99 GEMMs) the rule
-# picked the fastest tile, or one within 0.05 of it, in 91. The other 8 (M =
-# 200, 320, 448; long contractions) pick a tile whose last row of tiles is
-# partly filled, and ran up to 0.18 below the fastest tile. Re-swept with the
-# stage ring (ninth session, M = 200-768, 60 GEMMs): within 0.05 on 56; the
-# other 4 are dA with long contractions at M = 200 and 448 (up to 0.15 below).
-# 128 x 192 (rows split; a 96-column half cannot be swizzled) fills 132 SMs
-# where the others leave a wave part empty: at M = 640 it ran 0.87-1.03 where
-# the best other tile ran 0.69-0.90 on 8 of 10 GEMMs, and 0.97-1.01 at
-# M = 1536, where 128 x 128 ran 0.73-0.97; from those rows its throughput is
-# about 1.10.
-ROW_TILES: tuple[tuple[HopperTiles, float], ...] = (
-    (TILES, 1.15),
-    (HopperTiles(128, 96, split_rows=True), 1.10),
-    (HopperTiles(128, 64, stages=6), 1.00),
-    (HopperTiles(64, 128, stages=4), 0.90),
-    (HopperTiles(64, 64, stages=8), 0.75),
+# Forward/dA program tiles. A result of rows x cols takes the tile with the
+# least estimated time, waves x tile area / throughput, where waves =
+# ceil(programs / SMs): with a fixed K order no program may take part of
+# another's contraction (no split-K), so the choice is about filling the last
+# wave. Throughputs from `tune_matmul.py --row-tiles-m` and the scratch sweeps
+# in notes/h100_notebook.md ("the Mosaic kernel's tile picked per result
+# shape", "a 128 x 192 tile"); the rule's misses are listed there.
+ROW_TILES: tuple[HopperTiles, ...] = (
+    TILES,                                                        # 128 x 256
+    HopperTiles(128, 96, split_rows=True, throughput=1.10),       # 128 x 192
+    HopperTiles(128, 64, stages=6),                               # 128 x 128
+    HopperTiles(64, 128, stages=4, throughput=0.90),              # 64 x 256
+    HopperTiles(64, 64, stages=8, throughput=0.75),               # 64 x 128
 )
-# Up to this many rows the forward and dA run on the Triton ladder, which was
-# faster at M = 128 in 8 of the 10 benchmark GEMMs (0.96-1.26 of XLA, against
-# 0.92-1.21 for the 64 x 128 tile here; one tie).
+# Up to this many rows the forward and dA run on the Triton ladder, faster at
+# M = 128 in 8 of the 10 benchmark GEMMs (notes/h100_notebook.md).
 LADDER_ROWS = 128
 
 EPILOGUE_TILE = 64
 
 
-def fit_stages(tiles: HopperTiles, itemsize: int, out_itemsize: int) -> HopperTiles:
+def _epilogue_bytes(out_dtype) -> int:
+  return 4 * EPILOGUE_TILE * EPILOGUE_TILE * jnp.dtype(out_dtype).itemsize
+
+
+def fit_stages(tiles: HopperTiles, dtype, out_dtype) -> HopperTiles:
   """Lowers ``stages`` until the operand ring and the epilogue buffers fit.
 
   bf16 in and out fits 4 stages; a float32 result needs 3.
   """
-  per_stage = (tiles.block_m + tiles.block_cols) * BLOCK_K * itemsize
-  epilogue = 4 * EPILOGUE_TILE * EPILOGUE_TILE * out_itemsize
-  room = ladder.GPU_SHARED_MEMORY_BYTES - epilogue
-  stages = max(1, min(tiles.stages, room // per_stage))
-  return dataclasses.replace(tiles, stages=stages)
+  stage_bytes = (tiles.block_m + tiles.block_cols) * BLOCK_K * jnp.dtype(dtype).itemsize
+  return dataclasses.replace(tiles, stages=ladder.stages_that_fit(
+      tiles.stages, stage_bytes, _epilogue_bytes(out_dtype)))
 
 
 def available(dtype) -> bool:
@@ -157,16 +129,16 @@ def available(dtype) -> bool:
 
 def row_tiles(rows: int, cols: int, num_sms: int) -> HopperTiles:
   """The ROW_TILES entry with the least estimated time for a rows x cols result."""
-  def estimated_time(entry):
-    tiles, throughput = entry
+  def estimated_time(tiles):
     waves = cdiv(tiles.tile_count(rows, cols), num_sms)
-    return waves * tiles.block_m * tiles.block_cols / throughput
-  return min(ROW_TILES, key=estimated_time)[0]
+    return waves * tiles.block_m * tiles.block_cols / tiles.throughput
+  return min(ROW_TILES, key=estimated_time)
 
 
-def tiles_for(layout: Layout, rows: int, cols: int, dtype) -> HopperTiles | None:
-  """The tiles for an unbatched [rows, cols] GEMM in ``layout``, or None where
-  the dispatcher sends it to the Triton kernels.
+def tiles_for(layout: Layout, rows: int, cols: int, dtype, out_dtype) -> HopperTiles | None:
+  """The tiles (stages fitted to shared memory) for an unbatched [rows, cols]
+  GEMM in ``layout`` with ``dtype`` operands and an ``out_dtype`` result, or None
+  where the dispatcher sends it to the Triton kernels.
 
   TMA's swizzled tiles need every operand's minor dimension and the result's
   columns to be multiples of 64 (rows are padded to 8 by :func:`matmul`). For
@@ -177,10 +149,12 @@ def tiles_for(layout: Layout, rows: int, cols: int, dtype) -> HopperTiles | None
   if not available(dtype) or cols % 64:
     return None
   if layout is Layout.TN:
-    return TILES if rows % 64 == 0 else None
-  if rows <= LADDER_ROWS:
-    return None
-  return row_tiles(rows, cols, jax.devices()[0].core_count)
+    tiles = TILES if rows % 64 == 0 else None
+  elif rows > LADDER_ROWS:
+    tiles = row_tiles(rows, cols, jax.devices()[0].core_count)
+  else:
+    tiles = None
+  return tiles and fit_stages(tiles, dtype, out_dtype)
 
 
 def _plgpu():
@@ -295,19 +269,21 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
 def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
   """One GEMM in ``layout`` on an sm_90 GPU; returns [rows, cols] in ``out_dtype``.
 
-  lhs: [rows, Kp] (NN, NT) or [Kp, rows] (TN); rhs: [Kp, cols] (NN, TN) or
-  [cols, Kp] (NT). Kp is a multiple of BLOCK_K; both operands share a 16-bit
-  dtype; :func:`tiles_for` gives the sizes TMA takes and the tiles. Under
-  ``vmap`` a shared rhs folds the batch into rows (and re-picks the tiles);
-  otherwise the batch runs through the Triton kernels of
-  :mod:`pallas_kernels.matmul`, which give the same bits.
+  lhs: [rows, K] (NN, NT) or [K, rows] (TN); rhs: [K, cols] (NN, TN) or
+  [cols, K] (NT); the contraction is zero-padded to a multiple of BLOCK_K here.
+  Both operands share a 16-bit dtype; :func:`tiles_for` gives the sizes TMA
+  takes and the tiles, whose stages must fit shared memory. Under ``vmap`` a
+  shared rhs folds the batch into rows (and re-picks the tiles); otherwise the
+  batch runs through the Triton kernels of :mod:`pallas_kernels.matmul`, which
+  give the same bits.
   """
-  kp, rows = lhs.shape if layout is Layout.TN else lhs.shape[::-1]
-  if kp % BLOCK_K:
-    raise ValueError(f"contraction size {kp} is not a multiple of {BLOCK_K}")
   if lhs.dtype not in DTYPES or rhs.dtype != lhs.dtype:
     raise TypeError(f"operands must share a 16-bit dtype, got {lhs.dtype} and {rhs.dtype}")
-  tiles = fit_stages(tiles, lhs.dtype.itemsize, jnp.dtype(out_dtype).itemsize)
+  if fit_stages(tiles, lhs.dtype, out_dtype) != tiles:
+    raise ValueError(f"{tiles} does not fit shared memory for {lhs.dtype} operands and a "
+                     f"{jnp.dtype(out_dtype)} result: use fit_stages")
+  lhs = pad_contraction(lhs, 0 if layout is Layout.TN else 1)
+  rhs = pad_contraction(rhs, 1 if layout is Layout.NT else 0)
   static = dict(layout=layout, out_dtype=out_dtype, tiles=tiles)
   run = jax.custom_batching.custom_vmap(functools.partial(_launch, **static))
   run.def_vmap(functools.partial(_vmap_rule, **static))
@@ -348,7 +324,7 @@ def _vmap_rule(axis_size, in_batched, lhs, rhs, *, layout: Layout, out_dtype,
     folded = lhs.reshape(-1, lhs.shape[2])
     cols = rhs.shape[0] if layout is Layout.NT else rhs.shape[1]
     out = matmul(folded, rhs, layout=layout, out_dtype=out_dtype,
-                 tiles=tiles_for(layout, folded.shape[0], cols, lhs.dtype))
+                 tiles=tiles_for(layout, folded.shape[0], cols, lhs.dtype, out_dtype))
     return out.reshape(axis_size, rows, -1), True
   if not lhs_batched:
     lhs = jnp.broadcast_to(lhs, (axis_size, *lhs.shape))

@@ -6,8 +6,8 @@ output element is the sum over the contraction dimension taken in steps of
 accumulator that starts at zero; the result is rounded to the output dtype once,
 at the end. Tile shape (``block_m``, ``block_n``), warps and stages only decide
 which program computes an element, never that order, so the dispatcher may pick
-them from M. The contraction dimension must be zero-padded to a multiple of
-``BLOCK_K`` by the caller (zeros add nothing to a finite sum).
+them from M. The launchers zero-pad the contraction to a multiple of
+``BLOCK_K`` (:func:`pad_contraction`; zeros add nothing to a finite sum).
 
 Kernels:
   * :func:`matmul_kernel` - ``C[g] = A[g] @ B[g]`` or ``A[g] @ B[g]ᵀ`` (forward, dA).
@@ -30,9 +30,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params, dot_f32,
-                                    launcher, load_block, store_block)
+                                    launcher, load_block, pad_axis, store_block)
 
 BLOCK_K = 64
+
+
+def pad_contraction(x: jax.Array, axis: int) -> jax.Array:
+  """Zero-pads ``x``'s contraction ``axis`` to a multiple of ``BLOCK_K``: the
+  one padding every GEMM launcher (Triton, Mosaic GPU, jax-triton) applies."""
+  return pad_axis(x, axis, BLOCK_K)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,43 +66,23 @@ class MatmulTiles:
 # wave on the H100's 132 SMs), else the last candidate, and gives it
 # ``one_wave_stages`` when the grid is a single wave. Only tile shape and
 # launch parameters change with M and N; BLOCK_K and the K order never do.
-# Every tile and stage count below gave the same bits as every other in the
-# H100 sweeps (benchmarks/tune_matmul.py, 2026-11-22, jax 0.11.2, bf16, CUPTI
-# kernel time; tables in benchmarks/results/h100.md). What they showed, as XLA
-# time / jdet time:
-#   (128, 256, 8 warps, 3 stages): M >= 1024: 0.82-0.94; the best large-M tile.
-#   (128, 128, 8, 3): M = 256, N = 14336: 0.86 (vs 0.90 for 128 x 256); 5
-#     stages at M = 256 with a 4096-column result (64 programs): 0.58-0.87
-#     against 0.46-0.68 for 3.
-#   (64, 128, 4, 4): M = 64, N = 14336: 1.20. At M = 256 with a 4096-column
-#     result (128 programs, one wave) 8 stages: 0.82-1.22 against 0.65-0.93 for
-#     4, over the six benchmark forward and dA GEMMs of that shape
-#     (contractions of 4096-32000).
-#   (64, 64, 4, 4): M = 64, N = 12288 or 14336: 1.11-1.19 (6-10 stages no
-#     better than +0.01). At M = 64, N = 4096 (64 programs) 10 stages:
-#     1.08-1.30, against 0.79-1.11 for the (16, 64) tile the ladder took
-#     before and 0.69-1.00 for 4.
-#   (16, 64, 4, 5): M = 1 and 16, N = 12288 or 14336: 0.99-1.09 (5 stages beat
-#     8 and 10 there); 10 stages at 64 programs: 0.95-1.11 against 0.74-0.91.
-#   (16, 32, 4, 6): M = 1 and 16, N = 4096 (128 programs) 12 stages:
-#     0.97-1.15, against 0.85-1.01 for 6.
-# At M = 128 the rule's pick (0.97-1.26) was within 0.02 of the best candidate
-# for all ten benchmark forward and dA GEMMs.
+# Every entry gave the same bits as every other; the sweeps that chose them are
+# in notes/h100_notebook.md, "GEMM tile sweep" and "deeper pipelines for
+# one-wave grids" (`benchmarks/tune_matmul.py`).
 GPU_MATMUL_LADDER: tuple[MatmulTiles, ...] = (
-    MatmulTiles(128, 256, 8, 3),
-    MatmulTiles(128, 128, 8, 3, one_wave_stages=5),
-    MatmulTiles(64, 128, 4, 4, one_wave_stages=8),
-    MatmulTiles(64, 64, 4, 4, one_wave_stages=10),
-    MatmulTiles(16, 64, 4, 5, one_wave_stages=10),
-    MatmulTiles(16, 32, 4, 6, one_wave_stages=12),
+    MatmulTiles(128, 256, 8, 3),                        # M >= 1024
+    MatmulTiles(128, 128, 8, 3, one_wave_stages=5),     # M = 256 with wide results
+    MatmulTiles(64, 128, 4, 4, one_wave_stages=8),      # M = 64-256
+    MatmulTiles(64, 64, 4, 4, one_wave_stages=10),      # M = 17-64
+    MatmulTiles(16, 64, 4, 5, one_wave_stages=10),      # M <= 16, wide results
+    MatmulTiles(16, 32, 4, 6, one_wave_stages=12),      # M <= 16, 4096-column results
 )
 GPU_MIN_PROGRAMS = 128
 GPU_ONE_WAVE = 132  # the H100's SM count
 GPU_ONE_ROW_OF_TILES = 64  # up to this many rows, one row of tiles holds them all
 
 # dB = Aᵀ @ D tiles on the GPU: the output is [K, N], so they never depend on the
-# row count. (128, 256, 8, 3) was the fastest of (128, 256), (128, 128), (64, 256)
-# at M = 1024 (tune_matmul.py --at-b): 0.70-0.87 of XLA.
+# row count (`tune_matmul.py --at-b`; notes/h100_notebook.md, "GEMM tile sweep").
 GPU_AT_B_TILES = MatmulTiles(128, 256, 8, 3)
 
 # Interpret mode (CPU): one tile for every shape. XLA:CPU may pick a different
@@ -109,15 +95,20 @@ INTERPRET_TILES = MatmulTiles(32, 32, 4, 1)
 GPU_SHARED_MEMORY_BYTES = 224 * 1024
 
 
+def stages_that_fit(wanted: int, stage_bytes: int, reserved_bytes: int = 0) -> int:
+  """The most pipeline stages, at most ``wanted``, whose ``stage_bytes`` each fit in
+  GPU_SHARED_MEMORY_BYTES beside ``reserved_bytes``: the one shared-memory rule of
+  every GEMM kernel. Stages only change how far ahead blocks load, never the sums."""
+  return max(1, min(wanted, (GPU_SHARED_MEMORY_BYTES - reserved_bytes) // stage_bytes))
+
+
 def fit_stages(tiles: MatmulTiles, itemsize: int) -> MatmulTiles:
   """Lowers num_stages until the pipelined A and B blocks fit in shared memory.
 
-  Stages only change how far ahead blocks are loaded, never the sums. The bf16
-  tiles above fit as they are; float32 needs fewer stages for 128 x 256.
+  The bf16 tiles above fit as they are; float32 needs fewer stages for 128 x 256.
   """
-  per_stage = (tiles.block_m + tiles.block_n) * BLOCK_K * itemsize
-  stages = max(1, min(tiles.num_stages, GPU_SHARED_MEMORY_BYTES // per_stage))
-  return dataclasses.replace(tiles, num_stages=stages)
+  stage_bytes = (tiles.block_m + tiles.block_n) * BLOCK_K * itemsize
+  return dataclasses.replace(tiles, num_stages=stages_that_fit(tiles.num_stages, stage_bytes))
 
 
 def matmul_tiles(m: int, n: int, itemsize: int, *, interpret: bool) -> MatmulTiles:
@@ -183,7 +174,7 @@ def matmul_at_b_kernel(a_ref, d_ref, o_ref, *, k: int, n: int, precision):
   """One [block_k, block_n] tile of ``Aᵀ @ D``, reduced over rows.
 
   a_ref: [Rp, block_k]; d_ref: [Rp, block_n]; o_ref: [block_k, block_n]; Rp is a
-  multiple of BLOCK_K (zero rows appended by the caller).
+  multiple of BLOCK_K (zero rows appended by the launcher).
   """
   block_k, block_n = o_ref.shape
   r_steps = a_ref.shape[0] // BLOCK_K
@@ -205,14 +196,13 @@ def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles: MatmulTiles,
            interpret: bool):
   """Launches :func:`matmul_kernel` over a batch of problems.
 
-  a: [G, M, Kp]; b: [Gb, Kp, N] (or [Gb, N, Kp] if transpose_b) with Gb in {1, G}
-  (Gb = 1 shares b across the batch). Kp must be a multiple of BLOCK_K.
-  Returns [G, M, N] in ``out_dtype``.
+  a: [G, M, K]; b: [Gb, K, N] (or [Gb, N, K] if transpose_b) with Gb in {1, G}
+  (Gb = 1 shares b across the batch). Returns [G, M, N] in ``out_dtype``.
   """
+  a = pad_contraction(a, 2)
+  b = pad_contraction(b, 2 if transpose_b else 1)
   g, m, kp = a.shape
   n = b.shape[1] if transpose_b else b.shape[2]
-  if kp % BLOCK_K:
-    raise ValueError(f"contraction size {kp} is not a multiple of {BLOCK_K}")
   shared_b = b.shape[0] == 1
   bm, bn = tiles.block_m, tiles.block_n
   num_m, num_n = cdiv(m, bm), cdiv(n, bn)
@@ -248,12 +238,12 @@ def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles: MatmulTiles,
 def matmul_at_b(a, d, *, out_dtype, precision, tiles: MatmulTiles, interpret: bool):
   """Launches :func:`matmul_at_b_kernel`: ``Aᵀ @ D`` per batch entry.
 
-  a: [G, Rp, K]; d: [G, Rp, N]; Rp a multiple of BLOCK_K. Returns [G, K, N].
+  a: [G, R, K]; d: [G, R, N]: the sum runs over R, zero rows appended to a
+  multiple of BLOCK_K. Returns [G, K, N].
   """
+  a, d = pad_contraction(a, 1), pad_contraction(d, 1)
   g, rp, k = a.shape
   n = d.shape[2]
-  if rp % BLOCK_K:
-    raise ValueError(f"row count {rp} is not a multiple of {BLOCK_K}")
   bk, bn = tiles.block_m, tiles.block_n
   kernel = functools.partial(matmul_at_b_kernel, k=k, n=n, precision=precision)
   return pl.pallas_call(

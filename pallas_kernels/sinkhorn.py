@@ -39,8 +39,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params, launcher,
-                                    load_block, multiply_add, pad_axis, reciprocal,
-                                    store_block, sum_in_order)
+                                    load_block, lookup_tiles, multiply_add, pad_axis,
+                                    reciprocal, store_block, sum_in_order)
 
 MAX_N = 16
 INITS = ("softmax", "exp")
@@ -60,39 +60,22 @@ class SinkhornTiles:
 
 
 # GPU tiles by the largest n they serve; never a function of the token count.
-# Measured on the H100 (65,536 tokens, 20 iterations, CUPTI kernel time,
-# jax 0.11.2, 2026-11-22; benchmarks/tune_sinkhorn.py and benchmarks/results/h100.md).
+# Every candidate was bitwise invariant; the sweep that chose them is in
+# notes/h100_notebook.md, "Sinkhorn tile sweep" (`benchmarks/tune_sinkhorn.py`).
 # A [block_tokens, width] row array puts a token's row in one thread for n <= 8
-# (so block_tokens below 32 * num_warps only replicates work), and splits it over
-# threads for n = 16. With the approximate reciprocal: forward n = 4: 6.3-6.4 us
-# at (128, 4), (32, 1), 6.7 at (256, 8) (8.5 with the IEEE division); n = 8: 25.2
-# us at (256, 8), 26.8 at (128, 4) (33.0 with division); n = 16: 110 us at
-# (32, 2) against 247 at (64, 2) and (128, 4). Unrolled backward n = 4: 15.4-15.6
-# us at (256, 8, 20), (128, 4, 20), (32, 1, 20), 15.8-15.9 at (64, 4, 20),
-# (32, 2, 20), 17.8 at (64, 4, 10) (two segments), 19.2 at (128, 8, 20) (19.1 at
-# (64, 4, 20) with division; one 19-unit segment, 20 also serves the exp init's
-# 20 units); n = 8: 74.1 us at (128, 8, 7), 73.7 at (64, 4, 10) (27 s to
-# compile), 75.2 at (64, 4, 7) (110 at (64, 4, 5) with division). With the
-# walk's fused multiply-adds (fourth run): n = 4 14.4 us at (128, 4, 20), 16.1
-# at (64, 4, 20), exp init 15.0; n = 8 69.9 us at (64, 4, 7), 70.6 at
-# (128, 8, 7). Nsight Compute on n = 4 at (128, 4, 20), before the fused
-# multiply-adds: 238 registers a thread, no spills, 2 programs an SM. Implicit
-# (measured with division, which it keeps): n = 4 8.0 us at (128, 4), 8.4 at
-# (64, 4); n = 8 29 us at (64, 4), 36 at (128, 4). The backward table takes the
-# implicit kernel's best tiles where the unrolled kernel's best are within
-# noise of them (15.6 vs 15.4 us, 75.2 vs 74.1 us). n = 16 unrolled: 1.33 ms at
-# (32, 2, 1), 1.40 ms at (32, 2, 2), 30.2 ms at (64, 2, 2) (a token's 256-float
-# state no longer fits in registers); the n = 16 implicit kernel is not timed.
-# Every candidate was bitwise batch invariant (1000 tokens alone vs inside 65,536).
+# (block_tokens below 32 * num_warps would only replicate work), and splits it
+# over threads for n = 16.
 GPU_FORWARD_TABLE: tuple[tuple[int, SinkhornTiles], ...] = (
-    (4, SinkhornTiles(128, 4)),
-    (8, SinkhornTiles(256, 8)),
-    (16, SinkhornTiles(32, 2)),
+    (4, SinkhornTiles(128, 4)),    # 6.3 us at 65,536 tokens
+    (8, SinkhornTiles(256, 8)),    # 25 us
+    (16, SinkhornTiles(32, 2)),    # 110 us (247 us at 64 or 128 tokens a program)
 )
+# The unrolled backward keeps segment_units iterations' denominators per token;
+# the implicit backward shares the tile (within noise of its own best).
 GPU_BACKWARD_TABLE: tuple[tuple[int, SinkhornTiles], ...] = (
-    (4, SinkhornTiles(128, 4, segment_units=20)),
-    (8, SinkhornTiles(64, 4, segment_units=7)),
-    (16, SinkhornTiles(32, 2, segment_units=1)),
+    (4, SinkhornTiles(128, 4, segment_units=20)),  # 14.4 us, one 19-unit segment
+    (8, SinkhornTiles(64, 4, segment_units=7)),    # 70 us
+    (16, SinkhornTiles(32, 2, segment_units=1)),   # 1.3 ms (a 256-float state spills)
 )
 
 # Interpret mode (CPU): one tile for every n, and one-unit segments, which keep
@@ -104,10 +87,7 @@ def sinkhorn_tiles(n: int, *, backward: bool, interpret: bool) -> SinkhornTiles:
   """Tiles for n x n matrices; depends on n and the pass only."""
   if interpret:
     return INTERPRET_TILES
-  for max_n, tiles in GPU_BACKWARD_TABLE if backward else GPU_FORWARD_TABLE:
-    if n <= max_n:
-      return tiles
-  raise ValueError(f"n = {n} exceeds the largest supported n = {MAX_N}")
+  return lookup_tiles(GPU_BACKWARD_TABLE if backward else GPU_FORWARD_TABLE, n)
 
 
 @dataclasses.dataclass(frozen=True)

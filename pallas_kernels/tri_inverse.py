@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import compiler_params, dot_f32, launcher, sum_in_order
+from pallas_kernels._common import (compiler_params, dot_f32, launcher, lookup_tiles,
+                                    pad_axis, sum_in_order)
 
 TILE = 16
 SIZES = (16, 32, 64, 128)
@@ -42,36 +43,25 @@ class TriInverseTiles:
   num_stages: int
 
 
-# GPU tiles by matrix size n (never by the number of matrices), chosen by
-# `benchmarks/bench_tri_inverse.py --sweep` on the H100 (2026-11-22, jax 0.11.2,
-# 8192 matrices, CUPTI kernel time; every candidate gave the same bits).
-# Forward: one warp per program is fastest from n = 16 to 64 (no cross-warp
-# reductions in the substitution); n = 64: 1 matrix/1 warp 132 us, 2 warps
-# 211 us, 4 warps 211 us (the old table), 2 matrices/1 warp 139 us. n = 128:
-# 4 warps 1043 us, 2 warps 2428 us, 8 warps 1750 us. n = 32: 2 matrices/1 warp
-# 41 us (4/1: 44 us; 4/2, the old table: 78 us). n = 16: 4 matrices/1 warp
-# 14 us (8/1: 15 us; 8/2: 32 us).
-GPU_FORWARD_TILES = {
-    16: TriInverseTiles(4, 1, 1),
-    32: TriInverseTiles(2, 1, 1),
-    64: TriInverseTiles(1, 1, 1),
-    128: TriInverseTiles(1, 4, 1),
-}
-# Backward, same sweep: n = 128 (blocks loaded where used, one row of P at a
-# time): 4 warps 3104-3116 us, 8 warps 4613 us; loading every block up front
-# as n <= 64 does took 19652 us on 4 warps (27949 on 8), and 32- or 64-wide
-# blocks (3857 / 27810 us on 8 warps) or a compact loop over
-# 16-row panels of P (3896 us on 1 warp, 6321 on 4) were slower. n <= 64 was
-# swept with all of P computed before dA (same loads, products and sums):
-# n = 64: 4 warps 237 us (2: 415, 1: 458); n = 32: 2 matrices/4 warps 66 us
-# (2/1: 74, 2/2: 86); n = 16: 4 matrices/1 warp 19 us (4/2: 27). The row-wise
-# kernel's n = 64 backward, from the benchmark: 379 us fwd+bwd - 133 us fwd.
-GPU_BACKWARD_TILES = {
-    16: TriInverseTiles(4, 1, 1),
-    32: TriInverseTiles(2, 4, 1),
-    64: TriInverseTiles(1, 4, 1),
-    128: TriInverseTiles(1, 4, 1),
-}
+# GPU tiles by the largest n they serve (never by the number of matrices).
+# Every candidate gave the same bits; the sweep that chose them is in
+# notes/h100_notebook.md, "Triangular inverse tile sweep"
+# (`benchmarks/bench_tri_inverse.py --sweep`). One warp is fastest up to n = 64
+# forward: the substitution has no cross-warp reductions.
+GPU_FORWARD_TILES: tuple[tuple[int, TriInverseTiles], ...] = (
+    (16, TriInverseTiles(4, 1, 1)),    # 14 us for 8192 matrices
+    (32, TriInverseTiles(2, 1, 1)),    # 41 us
+    (64, TriInverseTiles(1, 1, 1)),    # 132 us
+    (128, TriInverseTiles(1, 4, 1)),   # 1043 us
+)
+# Above PRELOAD_MAX_N the backward loads each block where it is used (one row
+# of P at a time): 3.1 ms at n = 128 against 19.7 ms loading every block first.
+GPU_BACKWARD_TILES: tuple[tuple[int, TriInverseTiles], ...] = (
+    (16, TriInverseTiles(4, 1, 1)),    # 19 us
+    (32, TriInverseTiles(2, 4, 1)),    # 66 us
+    (64, TriInverseTiles(1, 4, 1)),    # 237 us
+    (128, TriInverseTiles(1, 4, 1)),   # 3.1 ms
+)
 PRELOAD_MAX_N = 64  # the backward loads every block first up to this n
 
 # Interpret mode (CPU): one config for every n. Two matrices per program so
@@ -84,7 +74,7 @@ def tri_inverse_tiles(n: int, *, interpret: bool, backward: bool = False) -> Tri
   function of n, the pass and the backend only."""
   if interpret:
     return INTERPRET_TILES
-  return (GPU_BACKWARD_TILES if backward else GPU_FORWARD_TILES)[n]
+  return lookup_tiles(GPU_BACKWARD_TILES if backward else GPU_FORWARD_TILES, n)
 
 
 def _iota(axis: int):
@@ -254,40 +244,39 @@ def tri_inverse_backward_kernel(x_ref, g_ref, da_ref, *, precision):
   lax.fori_loop(0, x_ref.shape[0], differentiate, 0)
 
 
-def _launch(kernel, name: str, inputs, out_dtype, *, tiles: TriInverseTiles,
-            interpret: bool):
-  """Runs ``kernel`` on [B, n, n] inputs, TB matrices per program (B % TB == 0)."""
+def _launch(kernel, inputs, *, out_dtype, tiles: TriInverseTiles, interpret: bool,
+            name: str):
+  """Runs ``kernel`` on [B, n, n] inputs, TB matrices per program; zero matrices
+  pad B to a multiple of TB and are sliced off."""
   batch, n, _ = inputs[0].shape
   tb = tiles.matrices_per_program
-  if batch % tb:
-    raise ValueError(f"batch {batch} is not a multiple of matrices_per_program {tb}")
   if n not in SIZES:
     raise ValueError(f"n must be one of {SIZES}, got {n}")
+  inputs = [pad_axis(x, 0, tb) for x in inputs]
   spec = pl.BlockSpec((tb, n, n), lambda b: (b, 0, 0))
   return pl.pallas_call(
       kernel,
-      grid=(batch // tb,),
+      grid=(inputs[0].shape[0] // tb,),
       in_specs=[spec] * len(inputs),
       out_specs=spec,
-      out_shape=jax.ShapeDtypeStruct((batch, n, n), out_dtype),
+      out_shape=jax.ShapeDtypeStruct(inputs[0].shape, out_dtype),
       compiler_params=compiler_params(tiles.num_warps, tiles.num_stages),
       interpret=interpret,
       name=name,
-  )(*inputs)
+  )(*inputs)[:batch]
 
 
 @launcher
 def tri_inverse(a, *, method: str, precision, tiles: TriInverseTiles, interpret: bool):
   """Launches the ``method`` ("blocked" or "doubling") forward kernel.
 
-  a: [B, n, n] float dtype, B a multiple of ``tiles.matrices_per_program``,
-  n in ``SIZES``. Returns X: [B, n, n] float32.
+  a: [B, n, n] float dtype, n in ``SIZES``. Returns X: [B, n, n] float32.
   """
   kernels = {"blocked": tri_inverse_blocked_kernel,
              "doubling": tri_inverse_doubling_kernel}
   kernel = functools.partial(kernels[method], precision=precision)
-  return _launch(kernel, f"jdet_tri_inverse_{method}", (a,), jnp.float32,
-                 tiles=tiles, interpret=interpret)
+  return _launch(kernel, (a,), out_dtype=jnp.float32, tiles=tiles, interpret=interpret,
+                 name=f"jdet_tri_inverse_{method}")
 
 
 @launcher
@@ -295,9 +284,8 @@ def tri_inverse_backward(x, g, *, out_dtype, precision, tiles: TriInverseTiles,
                          interpret: bool):
   """Launches :func:`tri_inverse_backward_kernel`.
 
-  x, g: [B, n, n] float32 (B a multiple of ``tiles.matrices_per_program``).
-  Returns dA: [B, n, n] in ``out_dtype``.
+  x, g: [B, n, n] float32. Returns dA: [B, n, n] in ``out_dtype``.
   """
   kernel = functools.partial(tri_inverse_backward_kernel, precision=precision)
-  return _launch(kernel, "jdet_tri_inverse_backward", (x, g), out_dtype,
-                 tiles=tiles, interpret=interpret)
+  return _launch(kernel, (x, g), out_dtype=out_dtype, tiles=tiles, interpret=interpret,
+                 name="jdet_tri_inverse_backward")

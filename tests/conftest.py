@@ -1,12 +1,14 @@
-import jax
-import numpy as np
+"""Fixtures shared by the suite: the ``gpu`` marker's skip, and the backends to run."""
+
+import importlib.util
+
 import pytest
 
-ON_GPU = jax.default_backend() == "gpu"
+from jdet.bench import on_gpu
 
 
 def pytest_collection_modifyitems(config, items):
-  if ON_GPU:
+  if on_gpu():
     return
   skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
   for item in items:
@@ -14,6 +16,15 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip)
 
 
-@pytest.fixture
-def rng():
-  return np.random.default_rng(0)
+def _matmul_backends():
+  """jdet.matmul's backends that run on this machine: Pallas everywhere (interpret
+  mode on CPU), the jax-triton GEMM on an NVIDIA GPU with jax-triton installed."""
+  backends = ["pallas"]
+  if on_gpu() and importlib.util.find_spec("jax_triton"):
+    backends.append("triton")
+  return backends
+
+
+@pytest.fixture(params=_matmul_backends())
+def matmul_backend(request):
+  return request.param

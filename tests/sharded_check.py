@@ -1,9 +1,10 @@
 """Run by tests/test_sharding.py in a subprocess with 4 CPU host devices.
 
-Each jdet op under ``jax.jit`` with a data-parallel ``NamedSharding`` and inside
-``jax.shard_map`` must give every device's rows bitwise equal to the
-single-device result. Pallas kernels do not track varying mesh axes, so
-``shard_map`` needs ``check_vma=False`` (as for jax's own Pallas GPU ops).
+Each registered op (its registry ``sharding_case``) under ``jax.jit`` with a
+data-parallel ``NamedSharding`` and inside ``jax.shard_map`` must give every
+device's rows bitwise equal to the single-device result. Pallas kernels do not
+track varying mesh axes, so ``shard_map`` needs ``check_vma=False`` (as for
+jax's own Pallas GPU ops).
 """
 
 import os
@@ -18,7 +19,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-import jdet  # noqa: E402
+from jdet._registry import OPS  # noqa: E402
 from jdet.testing import assert_bitwise_equal  # noqa: E402
 
 
@@ -38,7 +39,7 @@ def check(name, fn, x, *shared):
                check_vma=False)
   mapped = jax.jit(jax.shard_map(fn, **specs))(x_sharded, *shared_replicated)
   assert_bitwise_equal(mapped, single, what=f"{name}: shard_map")
-  grad = jax.grad(lambda x, *s: 0.5 * jnp.sum(fn(x, *s) ** 2))
+  grad = jax.grad(lambda x, *s: 0.5 * jnp.sum(fn(x, *s).astype(jnp.float32) ** 2))
   assert_bitwise_equal(
       jax.jit(jax.shard_map(grad, **specs))(x_sharded, *shared_replicated),
       jax.jit(grad)(x, *shared), what=f"{name}: per-row gradient under shard_map")
@@ -48,13 +49,8 @@ def check(name, fn, x, *shared):
 def main():
   assert len(jax.devices()) == 4, jax.devices()
   rng = np.random.default_rng(0)
-  a = jnp.asarray(rng.standard_normal((24, 48)), jnp.float32)
-  b = jnp.asarray(rng.standard_normal((48, 40)), jnp.float32)
-  check("matmul", jdet.matmul, a, b)
-  logits = jnp.asarray(rng.standard_normal((16, 4, 4)), jnp.float32)
-  check("sinkhorn", lambda x: jdet.sinkhorn(x, iters=5), logits)
-  tri = jdet.gdn_chunk_matrices(jax.random.key(0), 8, 16)
-  check("tri_inverse", jdet.tri_inverse, tri)
+  for name, op in OPS.items():
+    check(name, *op.sharding_case(rng))
   return 0
 
 

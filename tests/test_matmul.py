@@ -1,6 +1,8 @@
 """jdet.matmul: row invariance, determinism, backward, accuracy, errors.
 
 The same tests run in Pallas interpret mode on CPU and natively on a GPU; the
+invariance tests run once per backend available here (the ``matmul_backend``
+fixture: Pallas everywhere, jax-triton on an NVIDIA GPU with jax-triton); the
 ``gpu``-marked sweeps cover every kernel and tile config the dispatcher can
 choose (Triton tiles, and the Mosaic GPU kernel on an H100).
 """
@@ -15,11 +17,10 @@ import pytest
 
 import jdet
 from jdet.testing import (assert_batch_invariant, assert_bitwise_equal, assert_deterministic,
-                          relative_error)
+                          random_normal, relative_error)
 from pallas_kernels import hopper_matmul as hopper
 from pallas_kernels import matmul as kernels
-from pallas_kernels._common import pad_axis
-from tests.conftest import ON_GPU
+from jdet.bench import on_gpu
 
 K, N = 96, 80  # not multiples of the tiles: edge masks and K padding are exercised
 M_SWEEP = (1, 2, 3, 7, 16, 17, 100, 129, 200)  # 200 > two 64-row tiles (and >2 CPU tiles)
@@ -29,35 +30,41 @@ TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 GPU_TF32_TOLERANCE = 2e-3
 
 
-def _normal(rng, shape, dtype=jnp.float32):
-  return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+@functools.cache
+def _jitted(backend):
+  """(forward, (dA, dB) of sum(a @ b * g)), jitted once per backend."""
+  matmul = functools.partial(jdet.matmul, backend=backend)
+  grads = jax.grad(lambda a, b, g: jnp.sum(matmul(a, b).astype(jnp.float32) * g), (0, 1))
+  return jax.jit(matmul), jax.jit(grads)
 
 
-mm = jax.jit(jdet.matmul)
-mm_grads = jax.jit(jax.grad(lambda a, b, g: jnp.sum(jdet.matmul(a, b) * g), argnums=(0, 1)))
+mm, mm_grads = _jitted("pallas")
 
 
 @pytest.fixture(scope="module")
 def operands():
   rng = np.random.default_rng(1)
-  return (_normal(rng, (max(M_SWEEP), K), jnp.bfloat16), _normal(rng, (K, N), jnp.bfloat16),
-          _normal(rng, (max(M_SWEEP), N), jnp.bfloat16))
+  return tuple(random_normal(rng, shape, jnp.bfloat16)
+               for shape in ((max(M_SWEEP), K), (K, N), (max(M_SWEEP), N)))
 
 
-def test_rows_equal_single_row_calls(operands):
+def test_rows_equal_single_row_calls(operands, matmul_backend):
+  mm = _jitted(matmul_backend)[0]
   a, b, _ = operands
   singles = np.concatenate([np.asarray(mm(a[i:i + 1], b)) for i in range(max(M_SWEEP))])
   for m in M_SWEEP:
     assert_bitwise_equal(mm(a[:m], b), singles[:m], what=f"M={m} vs single rows")
 
 
-def test_harness_slices_padding_and_vmap(operands):
+def test_harness_slices_padding_and_vmap(operands, matmul_backend):
+  mm = _jitted(matmul_backend)[0]
   a, b, _ = operands
   assert_batch_invariant(mm, a[:129], b, in_axes=(0, None), batch_sizes=M_SWEEP,
                          vmap_splits=(3,))
 
 
-def test_chunked_prefill_equals_whole(operands):
+def test_chunked_prefill_equals_whole(operands, matmul_backend):
+  mm = _jitted(matmul_backend)[0]
   a, b, _ = operands
   whole = mm(a, b)
   chunks = [mm(a[s:s + c], b) for s, c in ((0, 5), (5, 64), (69, 1), (70, 130))]
@@ -68,8 +75,8 @@ def test_chunked_prefill_equals_whole(operands):
 def test_vmap_shared_and_batched_b(operands, vmapped_batch):
   a, b, _ = operands
   rng = np.random.default_rng(vmapped_batch)
-  a3 = _normal(rng, (vmapped_batch, 33, K), jnp.bfloat16)
-  b3 = _normal(rng, (vmapped_batch, K, N), jnp.bfloat16)
+  a3 = random_normal(rng, (vmapped_batch, 33, K), jnp.bfloat16)
+  b3 = random_normal(rng, (vmapped_batch, K, N), jnp.bfloat16)
   shared = jax.jit(jax.vmap(jdet.matmul, in_axes=(0, None)))(a3, b)
   batched = jax.jit(jax.vmap(jdet.matmul))(a3, b3)
   leading = mm(a3, b3)
@@ -80,13 +87,15 @@ def test_vmap_shared_and_batched_b(operands, vmapped_batch):
     assert_bitwise_equal(mm(a3[i, 4:9], b3[i]), batched[i, 4:9], what="row slice of batch")
 
 
-def test_deterministic_forward_and_backward(operands):
+def test_deterministic_forward_and_backward(operands, matmul_backend):
+  mm, mm_grads = _jitted(matmul_backend)
   a, b, g = operands
-  assert_deterministic(jdet.matmul, a, b, runs=10)
+  assert_deterministic(mm, a, b, runs=10)
   assert_deterministic(mm_grads, a, b, g, runs=10)
 
 
-def test_da_rows_invariant(operands):
+def test_da_rows_invariant(operands, matmul_backend):
+  mm_grads = _jitted(matmul_backend)[1]
   a, b, g = operands
   da_full, _ = mm_grads(a, b, g)
   for m in (1, 3, 17, 129):
@@ -94,7 +103,8 @@ def test_da_rows_invariant(operands):
     assert_bitwise_equal(da, da_full[:m], what=f"dA rows, M={m}")
 
 
-def test_db_unchanged_by_zero_cotangent_rows(operands):
+def test_db_unchanged_by_zero_cotangent_rows(operands, matmul_backend):
+  mm_grads = _jitted(matmul_backend)[1]
   a, b, g = operands
   for m in (1, 17, 64, 100):
     _, db = mm_grads(a[:m], b, g[:m])
@@ -106,21 +116,21 @@ def test_db_unchanged_by_zero_cotangent_rows(operands):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
 def test_accuracy_vs_float64(dtype):
   rng = np.random.default_rng(2)
-  a, b = _normal(rng, (2, 37, 200), dtype), _normal(rng, (200, 70), dtype)
+  a, b = random_normal(rng, (2, 37, 200), dtype), random_normal(rng, (200, 70), dtype)
   for precision in (None, jax.lax.Precision.HIGHEST):
     out = jdet.matmul(a, b, precision=precision)
     assert out.dtype == dtype and out.shape == (2, 37, 70)
     ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
     err = relative_error(out, ref)
     tol = TOLERANCE[dtype]
-    if dtype == jnp.float32 and precision is None and ON_GPU:
+    if dtype == jnp.float32 and precision is None and on_gpu():
       tol = GPU_TF32_TOLERANCE
     assert err < tol, (dtype, precision, err)
 
 
 def test_preferred_element_type_and_mixed_dtypes():
   rng = np.random.default_rng(3)
-  a, b = _normal(rng, (5, 64), jnp.bfloat16), _normal(rng, (64, 16), jnp.float32)
+  a, b = random_normal(rng, (5, 64), jnp.bfloat16), random_normal(rng, (64, 16), jnp.float32)
   out = jdet.matmul(a, b)
   assert out.dtype == jnp.float32
   out16 = jdet.matmul(a, b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
@@ -138,9 +148,9 @@ def test_preferred_element_type_and_mixed_dtypes():
 ])
 def test_gradients_match_jnp_reference(a_shape, b_shape):
   rng = np.random.default_rng(4)
-  a, b = _normal(rng, a_shape), _normal(rng, b_shape)
+  a, b = random_normal(rng, a_shape), random_normal(rng, b_shape)
   out_shape = jnp.matmul(a, b).shape
-  g = _normal(rng, out_shape)
+  g = random_normal(rng, out_shape)
   hi = jax.lax.Precision.HIGHEST
 
   def loss(fn, a, b):
@@ -235,18 +245,18 @@ def test_hopper_row_tile_rule():
   """The Mosaic kernel's forward/dA tile rule (pure Python, 132 SMs): the picks
   the H100 sweeps found fastest; up to LADDER_ROWS rows the Triton ladder runs."""
   pick = lambda rows, cols: hopper.row_tiles(rows, cols, num_sms=132)
-  big, narrow, square, wide, small = (tiles for tiles, _ in hopper.ROW_TILES)
+  big, narrow, square, wide, small = hopper.ROW_TILES
   assert pick(192, 4096) == pick(256, 4096) == small    # 96 / 128 programs of 64 x 128
   assert pick(384, 4096) == pick(512, 4096) == square   # 96 / 128 programs of 128 x 128
   assert pick(320, 12288) == wide                       # 240 programs of 64 x 256
   assert pick(640, 4096) == pick(256, 12288) == narrow  # 110 / 128 programs of 128 x 192
   assert pick(640, 12288) == pick(512, 32000) == pick(16384, 4096) == big
   for rows in (1, 64, hopper.LADDER_ROWS):
-    assert hopper.tiles_for(hopper.Layout.NN, rows, 4096, jnp.bfloat16) is None
+    assert hopper.tiles_for(hopper.Layout.NN, rows, 4096, jnp.bfloat16, jnp.bfloat16) is None
   with pytest.raises(ValueError, match="split_rows needs block_m = 128"):
     hopper.HopperTiles(64, 128, split_rows=True)
   for rows in (129, 4096):
-    assert hopper.tiles_for(hopper.Layout.NN, rows, 4096, jnp.bfloat16) == (
+    assert hopper.tiles_for(hopper.Layout.NN, rows, 4096, jnp.bfloat16, jnp.bfloat16) == (
         pick(rows, 4096) if hopper.available(jnp.bfloat16) else None)
 
 
@@ -263,12 +273,10 @@ def _gpu_kernels_forward_and_da(k, n, dtype=jnp.bfloat16):
   shape, the Hopper kernel with each of its forward/dA tiles.
   Asserts they all agree and returns (a, b, g, forward, dA)."""
   rng = np.random.default_rng(5)
-  a = _normal(rng, (GPU_SWEEP_ROWS, k), dtype)
-  b = _normal(rng, (k, n), dtype)
-  g = _normal(rng, (GPU_SWEEP_ROWS, n), dtype)
-  operands = {
-      "forward": (pad_axis(a, 1, kernels.BLOCK_K), pad_axis(b, 0, kernels.BLOCK_K), False),
-      "dA": (pad_axis(g, 1, kernels.BLOCK_K), pad_axis(b, 1, kernels.BLOCK_K), True)}
+  a = random_normal(rng, (GPU_SWEEP_ROWS, k), dtype)
+  b = random_normal(rng, (k, n), dtype)
+  g = random_normal(rng, (GPU_SWEEP_ROWS, n), dtype)
+  operands = {"forward": (a, b, False), "dA": (g, b, True)}
   results = {}
   for name, (lhs, rhs, transpose_b) in operands.items():
     launch = functools.partial(kernels.matmul, lhs[None], rhs[None], transpose_b=transpose_b,
@@ -278,9 +286,10 @@ def _gpu_kernels_forward_and_da(k, n, dtype=jnp.bfloat16):
     for tiles in configs[1:]:
       assert_bitwise_equal(launch(tiles=tiles)[0], reference, what=f"{name}, tiles {tiles}")
     layout = hopper.Layout.NT if transpose_b else hopper.Layout.NN
-    if hopper.tiles_for(layout, GPU_SWEEP_ROWS, reference.shape[1], dtype):
-      for tiles, _ in hopper.ROW_TILES:
-        got = hopper.matmul(lhs, rhs, layout=layout, out_dtype=dtype, tiles=tiles)
+    if hopper.tiles_for(layout, GPU_SWEEP_ROWS, reference.shape[1], dtype, dtype):
+      for tiles in hopper.ROW_TILES:
+        got = hopper.matmul(lhs, rhs, layout=layout, out_dtype=dtype,
+                            tiles=hopper.fit_stages(tiles, dtype, dtype))
         assert_bitwise_equal(got, reference, what=f"{name}, Hopper kernel {tiles} vs Triton")
     results[name] = reference
   return a, b, g, results["forward"], results["dA"]
@@ -290,7 +299,7 @@ def _dispatch_changes(rows_limit: int, cols: int, layout) -> set[int]:
   """Every M where the forward/dA dispatch (Triton tile or Hopper kernel) changes."""
   def choice(m):
     return (kernels.matmul_tiles(m, cols, 2, interpret=False),
-            hopper.tiles_for(layout, m, cols, jnp.bfloat16))
+            hopper.tiles_for(layout, m, cols, jnp.bfloat16, jnp.bfloat16))
   return {m for m in range(2, rows_limit + 1) if choice(m) != choice(m - 1)}
 
 
@@ -320,10 +329,10 @@ def test_gpu_db_deterministic_and_unchanged_by_zero_cotangent_rows(k, n):
   cotangent is zero, for row counts on both sides of every 64-row step."""
   rng = np.random.default_rng(7)
   total = 4161
-  a, b, g = (_normal(rng, (total, k), jnp.bfloat16), _normal(rng, (k, n), jnp.bfloat16),
-             _normal(rng, (total, n), jnp.bfloat16))
+  a, b, g = (random_normal(rng, (total, k), jnp.bfloat16), random_normal(rng, (k, n), jnp.bfloat16),
+             random_normal(rng, (total, n), jnp.bfloat16))
   triton_db = kernels.matmul_at_b(
-      pad_axis(a, 0, kernels.BLOCK_K)[None], pad_axis(g, 0, kernels.BLOCK_K)[None],
+      a[None], g[None],
       out_dtype=jnp.bfloat16, precision=None,
       tiles=kernels.at_b_tiles(k, n, 2, interpret=False), interpret=False)[0]
   _, db_full = mm_grads(a, b, g)
@@ -343,9 +352,9 @@ def test_gpu_hopper_kernel_under_vmap_and_other_dtypes():
   float16 inputs and a float32 result match the Triton kernel."""
   rng = np.random.default_rng(8)
   k, n = 1024, 3072
-  a3, b3 = _normal(rng, (3, 1100, k), jnp.bfloat16), _normal(rng, (3, k, n), jnp.bfloat16)
-  g3 = _normal(rng, (3, 1100, n), jnp.bfloat16)
-  assert hopper.tiles_for(hopper.Layout.NN, 1100, n, jnp.bfloat16)
+  a3, b3, g3 = (random_normal(rng, shape, jnp.bfloat16)
+                for shape in ((3, 1100, k), (3, k, n), (3, 1100, n)))
+  assert hopper.tiles_for(hopper.Layout.NN, 1100, n, jnp.bfloat16, jnp.bfloat16)
   shared = jax.jit(jax.vmap(jdet.matmul, in_axes=(0, None)))(a3, b3[0])
   batched = jax.jit(jax.vmap(jdet.matmul))(a3, b3)
   per_example = jax.jit(jax.vmap(mm_grads, in_axes=(0, None, 0)))(a3, b3[0], g3)
@@ -368,7 +377,7 @@ def test_gpu_hopper_kernel_under_vmap_and_other_dtypes():
 def test_gpu_float32_large_tiles_fit_and_match_fewer_stages():
   """float32 at large M (128 x 256 tiles) fits shared memory, with any stage count."""
   rng = np.random.default_rng(6)
-  a, b = _normal(rng, (2048, 1024)), _normal(rng, (1024, 2048))
+  a, b = random_normal(rng, (2048, 1024)), random_normal(rng, (1024, 2048))
   hi = jax.lax.Precision.HIGHEST
   out = jdet.matmul(a, b, precision=hi)
   ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)

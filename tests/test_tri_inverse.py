@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 import jdet
-from jdet.testing import assert_batch_invariant, assert_bitwise_equal, assert_deterministic
+from jdet.testing import (assert_batch_invariant, assert_bitwise_equal, assert_deterministic,
+                          random_normal)
 from jdet.tri_inverse import gdn_chunk_matrices, hostile_chunk_matrices
 from pallas_kernels import tri_inverse as kernels
-from tests.conftest import ON_GPU
+from jdet.bench import on_gpu
 
 SIZES = (16, 32, 64, 128)
 GDN, HOSTILE = 6, 2  # matrices of each family in the accuracy batch
@@ -64,15 +65,11 @@ def _accuracy_batch(n):
   return a + jnp.triu(jax.random.normal(jax.random.key(1), a.shape))
 
 
-def _normal(seed, shape, dtype=jnp.float32):
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), dtype)
-
-
 @pytest.fixture(scope="module")
 def batch64():
   """64 GDN matrices of 32x32 and a cotangent, shared by the invariance tests."""
   a = gdn_chunk_matrices(jax.random.key(7), 64, 32)
-  return a + jnp.triu(_normal(8, a.shape)), _normal(9, a.shape)
+  return a + jnp.triu(random_normal(8, a.shape)), random_normal(9, a.shape)
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -112,7 +109,7 @@ def test_inverse_of_identity_plus_a_in_fla_convention():
 @pytest.mark.parametrize("n", SIZES)
 def test_gradient_matches_reference(n):
   a = _accuracy_batch(n)[GDN - 2:GDN + 1]
-  g = _normal(n, a.shape)
+  g = random_normal(n, a.shape)
   got = np.asarray(grad(a, g))
   want = np.asarray(grad_reference(a, g))
   np.testing.assert_allclose(got, want, rtol=0, atol=2e-6 * np.abs(want).max())
@@ -121,7 +118,7 @@ def test_gradient_matches_reference(n):
 
 def test_doubling_uses_the_same_gradient():
   a = gdn_chunk_matrices(jax.random.key(4), 2, 16)
-  g = _normal(4, a.shape)
+  g = random_normal(4, a.shape)
   np.testing.assert_allclose(np.asarray(grad(a, g, method="doubling")),
                              np.asarray(grad_reference(a, g)), rtol=0, atol=1e-5)
 
@@ -129,7 +126,7 @@ def test_doubling_uses_the_same_gradient():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 def test_half_inputs_match_their_float32_upcast(dtype):
   a = gdn_chunk_matrices(jax.random.key(5), 3, 32).astype(dtype)
-  g = _normal(5, a.shape)
+  g = random_normal(5, a.shape)
   x = inverse(a)
   assert x.dtype == jnp.float32
   assert_bitwise_equal(x, inverse(a.astype(jnp.float32)), what=f"{dtype.__name__} input")
@@ -171,9 +168,9 @@ def test_every_matrices_per_program_gives_the_same_bits(batch64):
   a, g = batch64
   x = inverse(a)
   launch = functools.partial(kernels.tri_inverse, method="blocked",
-                             precision=jax.lax.Precision.HIGHEST, interpret=not ON_GPU)
+                             precision=jax.lax.Precision.HIGHEST, interpret=not on_gpu())
   backward = functools.partial(kernels.tri_inverse_backward, out_dtype=jnp.float32,
-                               precision=jax.lax.Precision.HIGHEST, interpret=not ON_GPU)
+                               precision=jax.lax.Precision.HIGHEST, interpret=not on_gpu())
   for per_program in (1, 4):
     tiles = kernels.TriInverseTiles(per_program, 4, 1)
     assert_bitwise_equal(launch(a, tiles=tiles), x, what=f"{per_program} per program")
@@ -232,14 +229,14 @@ def test_bad_input_raises(a, kwargs, error, match):
 def test_gpu_invariance_large_batches_and_tile_configs(n):
   """1000 matrices vs 1, 3 and 64; the dispatched tiles and their neighbours agree."""
   a = gdn_chunk_matrices(jax.random.key(n), 1000, n)
-  g = _normal(n, a.shape)
+  g = random_normal(n, a.shape)
   x, da = inverse(a), grad(a, g)
   for size in (1, 3, 64):
     assert_bitwise_equal(inverse(a[-size:]), x[-size:], what=f"X, last {size} of 1000")
     assert_bitwise_equal(grad(a[:size], g[:size]), da[:size], what=f"dA, first {size}")
   hi = jax.lax.Precision.HIGHEST
-  for backward, table in ((False, kernels.GPU_FORWARD_TILES), (True, kernels.GPU_BACKWARD_TILES)):
-    chosen = table[n]
+  for backward in (False, True):
+    chosen = kernels.tri_inverse_tiles(n, interpret=False, backward=backward)
     candidates = {chosen, kernels.TriInverseTiles(1, 4, 1),
                   dataclasses.replace(chosen, matrices_per_program=2 * chosen.matrices_per_program),
                   dataclasses.replace(chosen, num_warps=2 * chosen.num_warps)}

@@ -19,13 +19,10 @@ import pytest
 import jdet
 from jdet import _triton_backend as triton_backend
 from jdet import interop
-from jdet.testing import assert_batch_invariant, assert_bitwise_equal
+from jdet.testing import assert_batch_invariant, assert_bitwise_equal, random_normal
 from pallas_kernels import matmul as kernels
-from tests.conftest import ON_GPU
+from jdet.bench import on_gpu
 
-
-def _normal(rng, shape, dtype=jnp.bfloat16):
-  return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
 
 
 def test_unknown_backend_raises():
@@ -39,7 +36,7 @@ def test_triton_backend_without_jax_triton_says_how_to_install(monkeypatch):
     jdet.matmul(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32), backend="triton")
 
 
-@pytest.mark.skipif(ON_GPU, reason="checks the error raised without a GPU")
+@pytest.mark.skipif(on_gpu(), reason="checks the error raised without a GPU")
 def test_triton_backend_on_cpu_raises(monkeypatch):
   monkeypatch.setitem(sys.modules, "jax_triton", types.ModuleType("jax_triton"))
   monkeypatch.setitem(sys.modules, "pallas_kernels.triton_matmul",
@@ -136,7 +133,7 @@ def test_gpu_triton_rows_invariant_and_equal_to_pallas(jax_triton, k, n):
   zero-cotangent rows; every result bitwise equal to the Pallas backend's."""
   rng = np.random.default_rng(11)
   total = 2100
-  a, b, g = _normal(rng, (total, k)), _normal(rng, (k, n)), _normal(rng, (total, n))
+  a, b, g = (random_normal(rng, shape, jnp.bfloat16) for shape in ((total, k), (k, n), (total, n)))
   reference = np.asarray(triton_mm(a, b))
   assert_bitwise_equal(reference, pallas_mm(a, b), what="triton vs pallas forward")
   triton_grads, pallas_grads = _grads("triton"), _grads("pallas")
@@ -159,8 +156,8 @@ def test_gpu_triton_rows_invariant_and_equal_to_pallas(jax_triton, k, n):
 def test_gpu_triton_under_vmap_and_harness(jax_triton):
   """custom_vmap folds mapped axes into groups or rows without changing a bit."""
   rng = np.random.default_rng(12)
-  a3, b = _normal(rng, (3, 33, 96)), _normal(rng, (96, 80))
-  b3, g3 = _normal(rng, (3, 96, 80)), _normal(rng, (3, 33, 80))
+  a3, b, b3, g3 = (random_normal(rng, shape, jnp.bfloat16)
+                   for shape in ((3, 33, 96), (96, 80), (3, 96, 80), (3, 33, 80)))
   shared = jax.jit(jax.vmap(triton_mm, in_axes=(0, None)))(a3, b)
   batched = jax.jit(jax.vmap(triton_mm))(a3, b3)
   grouped_shared = jax.jit(jax.vmap(triton_mm, in_axes=(None, 0)))(a3, b3)
@@ -179,7 +176,7 @@ def test_gpu_triton_under_vmap_and_harness(jax_triton):
 @pytest.mark.parametrize("precision", [None, jax.lax.Precision.HIGHEST])
 def test_gpu_triton_float32_equals_pallas(jax_triton, precision):
   rng = np.random.default_rng(13)
-  a, b = _normal(rng, (300, 200), jnp.float32), _normal(rng, (200, 130), jnp.float32)
+  a, b = random_normal(rng, (300, 200), jnp.float32), random_normal(rng, (200, 130), jnp.float32)
   assert_bitwise_equal(jdet.matmul(a, b, precision=precision, backend="triton"),
                        jdet.matmul(a, b, precision=precision), what=f"float32, {precision}")
 
@@ -191,7 +188,7 @@ def test_gpu_torch_launch_equals_jax_launch(jax_triton, m, monkeypatch, tmp_path
   # Importing jax_triton sets TRITON_CACHE_DIR to "", which Triton's own launcher rejects.
   monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
   rng = np.random.default_rng(14)
-  a, b = _normal(rng, (2100, 4096)), _normal(rng, (4096, 1000))
+  a, b = (random_normal(rng, shape, jnp.bfloat16) for shape in ((2100, 4096), (4096, 1000)))
   to_torch = lambda x: torch.from_dlpack(x)  # noqa: E731 (shares the buffer, exact)
   got = interop.torch_matmul(to_torch(a[:m]), to_torch(b))
   want = triton_mm(a[:m], b)

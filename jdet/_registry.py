@@ -1,0 +1,735 @@
+"""The op registry: one entry per jdet op, read by everything that iterates over ops.
+
+``python -m jdet check`` runs each entry's ``check_cases``, ``python -m jdet bench``
+its ``bench_cases``, ``tests/test_properties.py`` its ``sweep_case`` and the
+sharding test (``tests/sharded_check.py``) its ``sharding_case``. Adding an op
+means writing its module (``jdet/<op>.py`` over ``pallas_kernels/<op>.py``) and
+one entry here::
+
+    def _my_op_check(full):            # -> list[jdet.check.Case]
+      x = random_normal(0, (4096 if full else 16, 512))
+      return [Case("my_op", "fwd", jdet.my_op, (x,), (0,),
+                   lambda: relative_error(jdet.my_op(x), my_op_float64(x)), 1e-6)]
+
+    def _my_op_bench(full):            # -> list[BenchCase]
+      ...
+
+    def _my_op_sweep(rng):             # one random invariance + accuracy case; raises on failure
+      ...
+
+    def _my_op_sharding(rng):          # -> (fn, batched input, *shared inputs)
+      return jdet.my_op, random_normal(rng, (16, 32))
+
+    Op("my_op", _my_op_check, _my_op_bench, _my_op_sweep, _my_op_sharding)
+
+and adding it to :data:`OPS`. Every case builder takes ``full`` (production
+sizes on a GPU) or a seeded ``rng`` and builds its inputs with
+:func:`jdet.testing.random_normal`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import itertools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jdet
+from jdet.bench import BenchCase
+from jdet.check import Case
+from jdet.testing import assert_bitwise_equal, random_normal, relative_error
+from jdet.tri_inverse import gdn_chunk_matrices
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """What the tools need to know about one op (see the module docstring)."""
+  name: str
+  check_cases: Callable[[bool], list[Case]]
+  bench_cases: Callable[[bool], list[BenchCase]]
+  sweep_case: Callable[[np.random.Generator], None]
+  sharding_case: Callable[[np.random.Generator], tuple]
+
+
+def _row_grad(fn):
+  """Gradient of sum(fn(x)**2)/2 w.r.t. x: row i's gradient depends on row i only."""
+  return jax.grad(lambda x, *rest: 0.5 * jnp.sum(fn(x, *rest) ** 2))
+
+
+def _forward_and_backward(fn):
+  """``(x..., g) -> (fn(x...), *vjp(g))``: the forward+backward pass benchmarks time."""
+  def run(*args):
+    out, vjp = jax.vjp(fn, *args[:-1])
+    return out, *vjp(args[-1])
+  return run
+
+
+def _first_args(fn, count):
+  """``fn`` on the first ``count`` of an input set (a forward pass ignores the cotangent)."""
+  return lambda *args: fn(*args[:count])
+
+
+def _leading_dims(rng, total):
+  """Splits ``total`` rows into one or two leading dims (e.g. [batch, seq])."""
+  divisors = [d for d in range(1, total + 1) if total % d == 0]
+  first = int(rng.choice(divisors))
+  return (total,) if rng.integers(2) else (first, total // first)
+
+
+def _split_check(fn, x, rng, *, what):
+  """fn on x's leading dims flattened, whole vs two chunks at a random row."""
+  full = fn(x)
+  rows = x.reshape((-1,) + x.shape[-2:])
+  cut = int(rng.integers(1, rows.shape[0])) if rows.shape[0] > 1 else 1
+  parts = [fn(rows[:cut])] + ([fn(rows[cut:])] if cut < rows.shape[0] else [])
+  assert_bitwise_equal(jnp.concatenate(parts), full.reshape((-1,) + full.shape[-2:]),
+                       what=f"{what}, split at {cut}")
+  return full
+
+
+# ---------------------------------------------------------------------------
+# matmul
+
+MATMUL_BENCH_M = (1, 16, 64, 256, 512, 1024, 4096, 16384)
+MATMUL_BENCH_KN = ((4096, 4096), (4096, 12288), (4096, 14336), (14336, 4096), (4096, 32000))
+MATMUL_QUICK = ((1, (64, 128)), (40, (64, 128)))  # CPU interpret: shapes that finish
+
+
+def _matmul_check(full):
+  m, k, n = (1024, 4096, 4096) if full else (40, 96, 80)
+  a, b = random_normal(0, (m, k), jnp.bfloat16), random_normal(1, (k, n), jnp.bfloat16)
+  reference = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+  sizes = (1, 2, 3, 7, 16, 17, 100, 129, 1000) if full else (1, 2, 3, 7, 16, 17)
+  a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
+  return [
+      Case("matmul", f"fwd bf16 [{m},{k}]x[{k},{n}]", jdet.matmul, (a, b), (0, None),
+           lambda: relative_error(jdet.matmul(a, b), reference), 1e-2, sizes),
+      Case("matmul", "dA (grad of sum of squares)", _row_grad(jdet.matmul), (a, b),
+           (0, None), lambda: relative_error(_row_grad(jdet.matmul)(a32, b32),
+                                             _row_grad(jdet.matmul_reference)(a32, b32)),
+           1e-2 if full else 1e-5, sizes),
+  ]
+
+
+def matmul_bench_cases(shapes, *, backends=("pallas",), dtype=jnp.bfloat16):
+  """Forward and forward+backward cases for (M, (K, N)) shapes, one per jdet backend."""
+  cases = []
+  for m, (k, n) in shapes:
+    def make_args(seed, m=m, k=k, n=n):
+      return (random_normal(3 * seed, (m, k), dtype), random_normal(3 * seed + 1, (k, n), dtype),
+              random_normal(3 * seed + 2, (m, n), dtype))
+    itemsize = jnp.dtype(dtype).itemsize
+    set_bytes = (m * k + k * n + 2 * m * n) * itemsize
+    for backend in backends:
+      op = "matmul" if backend == "pallas" else f"matmul[{backend}]"
+      ours = functools.partial(jdet.matmul, backend=backend)
+      for pass_, wrap, passes in (("fwd", lambda f: _first_args(f, 2), 1),
+                                  ("fwd+bwd", _forward_and_backward, 3)):
+        cases.append(BenchCase(
+            op, f"M={m} K={k} N={n}", pass_, wrap(ours), "jnp.dot (XLA)", wrap(jnp.dot),
+            make_args, set_bytes, flops=2.0 * m * k * n * passes))
+  return cases
+
+
+def _matmul_bench(full):
+  return matmul_bench_cases(itertools.product(MATMUL_BENCH_M, MATMUL_BENCH_KN) if full
+                            else MATMUL_QUICK)
+
+
+def _matmul_sweep(rng):
+  total, k, n = int(rng.integers(1, 70)), int(rng.integers(1, 150)), int(rng.integers(1, 100))
+  dtype = DTYPES[rng.integers(len(DTYPES))]
+  a = random_normal(rng, _leading_dims(rng, total) + (k,), dtype)
+  b = random_normal(rng, (k, n), dtype)
+  what = f"matmul {jnp.dtype(dtype).name} a{a.shape} b{b.shape}"
+  if a.ndim == 2:
+    a = a[None]
+  out = _split_check(lambda x: jdet.matmul(x, b), a, rng, what=what)
+  ref = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+  tol = {jnp.float32: 2e-3 if jax.default_backend() == "gpu" else 1e-5,
+         jnp.bfloat16: 1e-2, jnp.float16: 2e-3}[dtype]
+  assert np.abs(np.asarray(out, np.float64) - ref).max() <= tol * max(np.abs(ref).max(), 1), what
+
+
+def _matmul_sharding(rng):
+  return jdet.matmul, random_normal(rng, (24, 48)), random_normal(rng, (48, 40))
+
+
+# ---------------------------------------------------------------------------
+# sinkhorn
+
+SINKHORN_ITERS = 20
+SINKHORN_BENCH = tuple(itertools.product((4096, 16384, 65536, 262144), (4, 8)))
+SINKHORN_QUICK = ((256, 4),)
+
+
+def _sinkhorn_check(full):
+  cases = []
+  for n in (4, 8):
+    tokens = (65536 if n == 4 else 16384) if full else 32
+    logits = random_normal(10 + n, (tokens, n, n)) * 2
+    # Each token count compiles its own kernels (~10 s for an unrolled backward).
+    sizes = (1, 7, 1000) if full else (1, 2, 7)
+    reference = jdet.sinkhorn_reference(logits)
+    cases.append(Case("sinkhorn", f"fwd n={n} [{tokens},{n},{n}]", jdet.sinkhorn, (logits,),
+                      (0,), lambda r=reference, x=logits: relative_error(jdet.sinkhorn(x), r),
+                      1e-5, sizes))
+    unrolled = lambda x: jdet.sinkhorn(x, grad="unrolled")
+    want = _row_grad(jdet.sinkhorn_reference)(logits)
+    cases.append(Case(
+        "sinkhorn", f"grad=unrolled n={n}", _row_grad(unrolled), (logits,), (0,),
+        lambda x=logits, w=want: relative_error(_row_grad(unrolled)(x), w), 1e-4, sizes))
+    # The implicit gradient is the fixed point's: compare where the iteration has
+    # converged (moderate logits, 200 iterations), against the unrolled reference.
+    converged = logits * 0.25
+    implicit = lambda x: jdet.sinkhorn(x, iters=200, grad="implicit")
+    want = _row_grad(lambda x: jdet.sinkhorn_reference(x, iters=200))(converged)
+    cases.append(Case(
+        "sinkhorn", f"grad=implicit n={n} (200 iters)", _row_grad(implicit), (converged,),
+        (0,), lambda x=converged, w=want: relative_error(_row_grad(implicit)(x), w), 1e-3,
+        sizes))
+  return cases
+
+
+def _sinkhorn_bench(full):
+  cases = []
+  for tokens, n in SINKHORN_BENCH if full else SINKHORN_QUICK:
+    matrix_bytes = tokens * n * n * 4
+
+    def make_args(seed, shape=(tokens, n, n)):
+      return random_normal(2 * seed, shape), random_normal(2 * seed + 1, shape)
+
+    reference = functools.partial(jdet.sinkhorn_reference, iters=SINKHORN_ITERS)
+    label = f"T={tokens} n={n} iters={SINKHORN_ITERS}"
+    for grad in ("unrolled", "implicit"):
+      ours = functools.partial(jdet.sinkhorn, iters=SINKHORN_ITERS, grad=grad)
+      if grad == "unrolled":
+        cases.append(BenchCase("sinkhorn", label, "fwd", _first_args(ours, 1),
+                               "jit(jnp reference)", _first_args(reference, 1), make_args,
+                               2 * matrix_bytes, bytes_moved=2 * matrix_bytes))
+      # The implicit backward also reads the saved result.
+      cases.append(BenchCase("sinkhorn", label, f"fwd+bwd {grad}", _forward_and_backward(ours),
+                             "jit(grad(jnp reference))", _forward_and_backward(reference),
+                             make_args, 2 * matrix_bytes,
+                             bytes_moved=(5 if grad == "unrolled" else 6) * matrix_bytes))
+  return cases
+
+
+def _sinkhorn_sweep(rng):
+  n = int(rng.choice([1, 2, 3, 4, 8, 16]))
+  total = int(rng.integers(1, 50))
+  iters = int(rng.integers(1, 8))
+  init = str(rng.choice(["softmax", "exp"]))
+  dtype = DTYPES[rng.integers(len(DTYPES))]
+  logits = (3 * random_normal(rng, _leading_dims(rng, total) + (n, n))).astype(dtype)
+  fn = functools.partial(jdet.sinkhorn, iters=iters, init=init)
+  what = f"sinkhorn n={n} iters={iters} init={init} {jnp.dtype(dtype).name} {logits.shape}"
+  out = _split_check(fn, logits.reshape((-1, n, n)), rng, what=what)
+  ref = jdet.sinkhorn_reference(logits.astype(jnp.float32), iters=iters, init=init)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref).reshape(out.shape),
+                             rtol=1e-5, atol=1e-6, err_msg=what)
+
+
+def _sinkhorn_sharding(rng):
+  return functools.partial(jdet.sinkhorn, iters=5), random_normal(rng, (16, 4, 4))
+
+
+# ---------------------------------------------------------------------------
+# tri_inverse
+
+TRI_INVERSE_BENCH = ((8192, 64), (65536, 64), (8192, 128), (65536, 128))
+TRI_INVERSE_QUICK = ((8, 16), (4, 64))
+
+
+def _linalg_inv(a):
+  """The dense baseline: ``jnp.linalg.inv(I - tril(a, -1))`` (LU, pivoting)."""
+  identity = jnp.broadcast_to(jnp.eye(a.shape[-1], dtype=a.dtype), a.shape)
+  return jnp.linalg.inv(identity - jnp.tril(a, -1))
+
+
+def _tri_inverse_check(full):
+  cases = []
+  for n in (64, 128) if full else (64,):
+    count = 4096 if full else 8
+    a = gdn_chunk_matrices(jax.random.key(n), count, n)
+    exact = np.linalg.inv(np.eye(n) - np.tril(np.asarray(a, np.float64), -1))
+    sizes = (1, 3, 64, 1000) if full else (1, 3)
+    cases.append(Case("tri_inverse", f"fwd blocked n={n} [{count},{n},{n}]", jdet.tri_inverse,
+                      (a,), (0,), lambda x=a, e=exact: relative_error(jdet.tri_inverse(x), e),
+                      1e-5, sizes))
+    want = _row_grad(jdet.tri_inverse_reference)(a)
+    cases.append(Case("tri_inverse", f"dA n={n}", _row_grad(jdet.tri_inverse), (a,), (0,),
+                      lambda x=a, w=want: relative_error(_row_grad(jdet.tri_inverse)(x), w),
+                      1e-4, sizes))
+  return cases
+
+
+def _tri_inverse_bench(full):
+  cases = []
+  for count, n in TRI_INVERSE_BENCH if full else TRI_INVERSE_QUICK:
+    def make_args(seed, count=count, n=n):
+      return (gdn_chunk_matrices(jax.random.key(seed), count, n),
+              random_normal(seed, (count, n, n)))
+    set_bytes = 4 * count * n * n * 4  # a, g, X, dA in f32
+    for baseline, baseline_fn in (("solve_triangular", jdet.tri_inverse_reference),
+                                  ("jnp.linalg.inv", _linalg_inv)):
+      for pass_, wrap in (("fwd", lambda f: _first_args(f, 1)),
+                          ("fwd+bwd", _forward_and_backward)):
+        cases.append(BenchCase("tri_inverse", f"{count} x {n}x{n}", pass_,
+                               wrap(jdet.tri_inverse), baseline, wrap(baseline_fn), make_args,
+                               set_bytes))
+  return cases
+
+
+def _tri_inverse_sweep(rng):
+  n = int(rng.choice([16, 32]))
+  total = int(rng.integers(1, 12))
+  dtype = DTYPES[rng.integers(len(DTYPES))]
+  a = gdn_chunk_matrices(jax.random.key(int(rng.integers(1 << 30))), total, n).astype(dtype)
+  what = f"tri_inverse n={n} {jnp.dtype(dtype).name} [{total},{n},{n}]"
+  out = _split_check(jdet.tri_inverse, a, rng, what=what)
+  exact = np.linalg.inv(np.eye(n) - np.tril(np.asarray(a, np.float64), -1))
+  assert np.abs(np.asarray(out, np.float64) - exact).max() <= 1e-5 * np.abs(exact).max(), what
+
+
+def _tri_inverse_sharding(rng):
+  return jdet.tri_inverse, gdn_chunk_matrices(jax.random.key(int(rng.integers(1 << 30))), 8, 16)
+
+
+
+# ---------------------------------------------------------------------------
+# dot_product_attention
+
+ATTENTION_HEADS = (32, 8, 128)  # N, K, H of the benchmarks (bf16)
+# (kind, B, T, S): causal prefill (T = S) and decode (T = 1 against a full cache).
+ATTENTION_BENCH = (("prefill", 1, 4096, 4096), ("prefill", 4, 4096, 4096),
+                   *(("decode", b, 1, s) for s in (4096, 32768) for b in (1, 8, 64)))
+ATTENTION_QUICK = (("prefill", 1, 32, 32), ("decode", 2, 1, 64))
+
+
+def _causal_attention(q, k, v):
+  return jdet.dot_product_attention(q, k, v, is_causal=True)
+
+
+def _attention_check(full):
+  b, t, n, kv, h = (8, 1024, 32, 8, 128) if full else (4, 20, 4, 2, 16)
+  q = random_normal(20, (b, t, n, h), jnp.bfloat16)
+  k, v = (random_normal(21 + i, (b, t, kv, h), jnp.bfloat16) for i in range(2))
+  ref = jdet.dot_product_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
+                                             v.astype(jnp.float32), is_causal=True)
+  def dq(fn):
+    return lambda q, k, v: jax.grad(lambda q: jnp.sum(fn(q, k, v).astype(jnp.float32) ** 2))(q)
+
+  reference = functools.partial(jdet.dot_product_attention_reference, is_causal=True)
+  f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+  sizes = (1, 2, 3, 7) if full else (1, 2, 3)
+  return [Case("dot_product_attention", f"causal fwd bf16 q{q.shape} kv{k.shape}",
+               _causal_attention, (q, k, v), (0, 0, 0),
+               lambda: relative_error(_causal_attention(q, k, v).astype(jnp.float32), ref),
+               2e-2, sizes),
+          Case("dot_product_attention", "dq (grad of sum of squares)", dq(_causal_attention),
+               (q, k, v), (0, 0, 0),
+               lambda: relative_error(dq(_causal_attention)(*f32), dq(reference)(*f32)),
+               1e-4, sizes)]
+
+
+def _attention_bench(full):
+  n, kv, h = ATTENTION_HEADS
+  dtype = jnp.bfloat16
+  itemsize = jnp.dtype(dtype).itemsize
+  cases = []
+  for kind, b, t, s in ATTENTION_BENCH if full else ATTENTION_QUICK:
+    def make_args(seed, b=b, t=t, s=s):
+      return (random_normal(4 * seed, (b, t, n, h), dtype),
+              random_normal(4 * seed + 1, (b, s, kv, h), dtype),
+              random_normal(4 * seed + 2, (b, s, kv, h), dtype),
+              random_normal(4 * seed + 3, (b, t, n, h), dtype))
+    set_bytes = (2 * b * t * n + 2 * b * s * kv) * h * itemsize
+    label = f"{kind} B={b} T={t} S={s} N={n} K={kv} H={h}"
+    if kind == "prefill":
+      impl = _cudnn_or_xla(make_args(0))
+      theirs = functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                 implementation=impl)
+      flops = 4.0 * b * n * t * s * h / 2  # causal: half the square
+      for pass_, wrap, passes in (("fwd", lambda f: _first_args(f, 3), 1.0),
+                                  ("fwd+bwd", _forward_and_backward, 3.5)):
+        cases.append(BenchCase("dot_product_attention", label, pass_,
+                               wrap(_causal_attention), f"jax.nn ({impl})", wrap(theirs),
+                               make_args, set_bytes, flops=flops * passes))
+    else:
+      lengths = jnp.full((b,), s, jnp.int32)
+      ours = functools.partial(jdet.dot_product_attention, key_value_seq_lengths=lengths)
+      theirs = functools.partial(jax.nn.dot_product_attention, key_value_seq_lengths=lengths,
+                                 implementation="xla")
+      cases.append(BenchCase("dot_product_attention", label, "fwd", _first_args(ours, 3),
+                             "jax.nn (xla)", _first_args(theirs, 3), make_args, set_bytes,
+                             bytes_moved=2.0 * b * s * kv * h * itemsize))
+  return cases
+
+
+def _cudnn_or_xla(args) -> str:
+  """"cudnn" where jax.nn's cuDNN attention compiles forward+backward, else "xla"."""
+  try:
+    fn = functools.partial(jax.nn.dot_product_attention, is_causal=True, implementation="cudnn")
+    jax.jit(_forward_and_backward(fn)).lower(*args).compile()
+    return "cudnn"
+  except Exception:  # noqa: BLE001 - no GPU, no cuDNN, or an unsupported shape
+    return "xla"
+
+
+def _attention_sweep(rng):
+  b, s = int(rng.integers(1, 4)), int(rng.integers(1, 40))
+  kv = int(rng.choice([1, 2]))
+  n, h = kv * int(rng.choice([1, 2])), int(rng.choice([16, 32]))
+  dtype = DTYPES[rng.integers(len(DTYPES))]
+  q = random_normal(rng, (b, s, n, h), dtype)
+  k, v = (random_normal(rng, (b, s, kv, h), dtype) for _ in range(2))
+  lengths = jnp.asarray(rng.integers(0, s + 1, b), jnp.int32)
+  what = f"dot_product_attention {jnp.dtype(dtype).name} q{q.shape} kv{k.shape} {lengths}"
+  fn = functools.partial(jdet.dot_product_attention, is_causal=True,
+                         key_value_seq_lengths=lengths)
+  full = fn(q, k, v)
+  cut = int(rng.integers(1, s + 1))  # chunked prefill: queries [0, cut) then [cut, s)
+  first = jdet.dot_product_attention(q[:, :cut], k, v, is_causal=True,
+                                     key_value_seq_lengths=jnp.minimum(lengths, cut))
+  valid = np.arange(s)[None, :] < np.asarray(lengths)[:, None]
+  assert_bitwise_equal(np.where(valid[:, :cut, None, None], first, 0),
+                       np.where(valid[:, :cut, None, None], full[:, :cut], 0),
+                       what=f"{what}, chunk [0, {cut})")
+  ref = jdet.dot_product_attention_reference(q, k, v, is_causal=True,
+                                             key_value_seq_lengths=lengths)
+  tol = 1e-5 if dtype == jnp.float32 and jax.default_backend() != "gpu" else 2e-2
+  np.testing.assert_allclose(np.asarray(full, np.float32), np.asarray(ref, np.float32),
+                             rtol=tol, atol=tol, err_msg=what)
+
+
+def _attention_sharding(rng):
+  """One [B, T, N + 2K, H] input holding q, k and v (each sequence its own keys)."""
+  def fn(x):
+    return _causal_attention(x[:, :, :4], x[:, :, 4:6], x[:, :, 6:])
+  return fn, random_normal(rng, (8, 12, 8, 16))
+
+# ---------------------------------------------------------------------------
+# rms_norm
+
+# (rows, H): decode, prefill and training token counts at common hidden sizes,
+# and a small H that puts many rows in a program.
+RMS_NORM_BENCH = ((1, 4096), (256, 4096), (4096, 4096), (8192, 4096), (8192, 8192),
+                  (16384, 8192), (8192, 16384), (65536, 128))
+RMS_NORM_QUICK = ((8, 96), (40, 200))  # CPU interpret: shapes that finish
+
+
+def _rms_norm_float64(h, w, eps=1e-6):
+  h, w = np.asarray(h, np.float64), np.asarray(w, np.float64)
+  return h / np.sqrt(np.mean(h * h, -1, keepdims=True) + eps) * w
+
+
+def _rms_norm_check(full):
+  m, h = (4096, 8192) if full else (40, 200)
+  x, r = random_normal(20, (m, h), jnp.bfloat16), random_normal(21, (m, h), jnp.bfloat16)
+  w = random_normal(22, (h,)) + 1.0
+  # Each row count compiles its own interpret-mode program on a CPU: keep few there.
+  sizes = (1, 2, 3, 7, 16, 17, 100, 1000) if full else (1, 7, 17)
+  fused = lambda x, r, w: jdet.rms_norm(x, w, residual=r)
+  x32, r32 = x.astype(jnp.float32), r.astype(jnp.float32)
+  plain_grad = lambda x, w: _row_grad(lambda x: jdet.rms_norm(x, w))(x)
+  fused_grads = jax.grad(lambda x, r, w: 0.5 * sum(
+      jnp.sum(out.astype(jnp.float32) ** 2) for out in jdet.rms_norm(x, w, residual=r)),
+                         argnums=(0, 1))
+  reference_grads = jax.grad(lambda x, r, w: 0.5 * sum(
+      jnp.sum(out ** 2) for out in jdet.rms_norm_reference(x, w, residual=r)), argnums=(0, 1))
+  return [
+      Case("rms_norm", f"fwd bf16 [{m},{h}]", jdet.rms_norm, (x, w), (0, None),
+           lambda: relative_error(jdet.rms_norm(x, w), _rms_norm_float64(x, w)), 8e-3, sizes),
+      Case("rms_norm", "fwd fused residual (y, x + residual)", fused, (x, r, w), (0, 0, None),
+           lambda: relative_error(fused(x, r, w)[0], _rms_norm_float64(fused(x, r, w)[1], w)),
+           8e-3, sizes),
+      Case("rms_norm", "dx (grad of sum of squares)", plain_grad, (x32, w), (0, None),
+           lambda: relative_error(plain_grad(x32, w),
+                                  _row_grad(lambda x: jdet.rms_norm_reference(x, w))(x32)),
+           1e-5, sizes),
+      Case("rms_norm", "dx, dresidual of the fused form", fused_grads, (x32, r32, w),
+           (0, 0, None), lambda: max(relative_error(a, b) for a, b in zip(
+               fused_grads(x32, r32, w), reference_grads(x32, r32, w))), 1e-5, sizes),
+  ]
+
+
+def rms_norm_bench_cases(shapes, *, dtype=jnp.bfloat16):
+  """Forward and forward+backward cases for (rows, H) shapes, plain and with the fused
+  residual, against the jitted jnp reference. The HBM floor counts one read of
+  each input and one write of each output (forward), plus one read of the
+  normalised input and of each cotangent and one write of dx (backward)."""
+  cases = []
+  itemsize = jnp.dtype(dtype).itemsize
+  for m, h in shapes:
+    row_bytes = m * h * itemsize
+    for residual in (False, True):
+      arrays = 2 if residual else 1  # inputs (x, residual) = outputs (y, sum) = cotangents
+
+      def make_args(seed, m=m, h=h, residual=residual):
+        x, r, g, g_sum = (random_normal(5 * seed + i, (m, h), dtype) for i in range(4))
+        w = random_normal(5 * seed + 4, (h,)) + 1.0
+        return (x, r, w, (g, g_sum)) if residual else (x, w, g)
+
+      def forward(norm, residual=residual):
+        if residual:
+          return lambda x, r, w: norm(x, w, residual=r)
+        return norm
+
+      forward_bytes = 2 * arrays * row_bytes + h * 4
+      backward_bytes = (2 + arrays) * row_bytes + 2 * h * 4
+      op = "rms_norm[residual]" if residual else "rms_norm"
+      for pass_, wrap, moved in (
+          ("fwd", lambda f, n=arrays + 1: _first_args(f, n), forward_bytes),
+          ("fwd+bwd", _forward_and_backward, forward_bytes + backward_bytes)):
+        cases.append(BenchCase(
+            op, f"M={m} H={h}", pass_, wrap(forward(jdet.rms_norm)), "jit(jnp reference)",
+            wrap(forward(jdet.rms_norm_reference)), make_args, (2 + 2 * arrays) * row_bytes,
+            bytes_moved=moved))
+  return cases
+
+
+def _rms_norm_bench(full):
+  return rms_norm_bench_cases(RMS_NORM_BENCH if full else RMS_NORM_QUICK)
+
+
+def _rms_norm_sweep(rng):
+  total, h = int(rng.integers(1, 50)), int(rng.integers(1, 300))
+  dtype = DTYPES[rng.integers(len(DTYPES))]
+  x = random_normal(rng, _leading_dims(rng, total) + (h,), dtype)
+  w = random_normal(rng, (h,), DTYPES[rng.integers(len(DTYPES))])
+  residual = random_normal(rng, x.shape, dtype) if rng.integers(2) else None
+  what = (f"rms_norm {jnp.dtype(dtype).name} x{x.shape} weight {jnp.dtype(w.dtype).name} "
+          f"residual={residual is not None}")
+  fn = lambda x, r: jdet.rms_norm(x, w, residual=r)
+  rows = lambda a: None if a is None else a.reshape(-1, h)
+  full = jax.tree.map(rows, fn(x, residual))
+  cut = int(rng.integers(1, total)) if total > 1 else 1
+  pieces = [fn(x.reshape(-1, h)[part], None if residual is None else rows(residual)[part])
+            for part in (slice(0, cut), slice(cut, None)) if part.start != total]
+  assert_bitwise_equal(jax.tree.map(lambda *p: jnp.concatenate(p), *pieces), full,
+                       what=f"{what}, split at {cut}")
+  y, total_sum = full if residual is not None else (full, rows(x))
+  tol = {jnp.float32: 2e-6, jnp.bfloat16: 8e-3, jnp.float16: 1e-3}[dtype]
+  assert relative_error(y, _rms_norm_float64(total_sum, w)) <= tol, what
+
+
+def _rms_norm_sharding(rng):
+  return jdet.rms_norm, random_normal(rng, (16, 40)), random_normal(rng, (40,))
+
+
+# ---------------------------------------------------------------------------
+# softmax, log_softmax, logsumexp
+
+SOFTMAX_OPS = {"softmax": (jdet.softmax, jax.nn.softmax, jdet.softmax_reference),
+               "log_softmax": (jdet.log_softmax, jax.nn.log_softmax,
+                               jdet.log_softmax_reference),
+               "logsumexp": (jdet.logsumexp, functools.partial(jax.nn.logsumexp, axis=-1),
+                             jdet.logsumexp_reference)}
+# (rows, row length, dtype): the square 8192 x 8192 target, vocab-long rows (bf16
+# input, and the float32 logits token_logprobs's unfused twin normalises), short rows.
+SOFTMAX_BENCH = ((8192, 8192, jnp.float32), (8192, 8192, jnp.bfloat16),
+                 (2048, 151936, jnp.bfloat16), (2048, 151936, jnp.float32),
+                 (65536, 128, jnp.float32))
+SOFTMAX_QUICK = ((16, 300, jnp.float32),)  # CPU interpret: 3 sub-chunks a row
+
+
+def _softmax_float64(name, x):
+  x = np.asarray(x, np.float64)
+  top = x.max(-1, keepdims=True)
+  lse = top + np.log(np.exp(x - top).sum(-1, keepdims=True))
+  return {"softmax": np.exp(x - lse), "log_softmax": x - lse, "logsumexp": lse[..., 0]}[name]
+
+
+def _softmax_check(full):
+  m, n = (4096, 151936) if full else (24, 300)
+  x = random_normal(30, (m, n)) * 3
+  sizes = (1, 2, 3, 7, 17, 100, 1000) if full else (1, 7)
+  cases = []
+  for name, (fn, _, reference) in SOFTMAX_OPS.items():
+    cases.append(Case(name, f"fwd f32 [{m},{n}]", fn, (x,), (0,),
+                      lambda fn=fn, name=name: relative_error(fn(x), _softmax_float64(name, x)),
+                      2e-6, sizes))
+    # On a CPU each case compiles interpret programs for every batch size: there,
+    # only log_softmax's gradient (tests/test_softmax.py covers the others).
+    if full or name == "log_softmax":
+      cases.append(Case(name, "dx (grad of sum of squares)", _row_grad(fn), (x,), (0,),
+                        lambda fn=fn, reference=reference: relative_error(
+                            _row_grad(fn)(x), _row_grad(reference)(x)), 1e-5, sizes))
+  return cases
+
+
+def softmax_bench_cases(shapes, *, names=("softmax", "log_softmax")):
+  """Forward and forward+backward against jax.nn for (rows, length, dtype) shapes. The
+  HBM floor: read x, write y (forward); plus read x and dy, write dx (backward)."""
+  cases = []
+  for m, n, dtype in shapes:
+    array_bytes = m * n * jnp.dtype(dtype).itemsize
+
+    def make_args(seed, m=m, n=n, dtype=dtype):
+      return random_normal(2 * seed, (m, n), dtype), random_normal(2 * seed + 1, (m, n), dtype)
+
+    for name in names:
+      ours, xla, _ = SOFTMAX_OPS[name]
+      for pass_, wrap, moved in (("fwd", lambda f: _first_args(f, 1), 2 * array_bytes),
+                                 ("fwd+bwd", _forward_and_backward, 5 * array_bytes)):
+        cases.append(BenchCase(name, f"{m} x {n} {jnp.dtype(dtype).name}", pass_, wrap(ours),
+                               f"jax.nn.{name}", wrap(xla), make_args, 2 * array_bytes,
+                               bytes_moved=moved))
+  return cases
+
+
+def _softmax_bench(full):
+  return softmax_bench_cases(SOFTMAX_BENCH if full else SOFTMAX_QUICK)
+
+
+def _softmax_sweep(rng):
+  total, n = int(rng.integers(1, 40)), int(rng.integers(1, 600))
+  dtype = DTYPES[rng.integers(len(DTYPES))]
+  name = list(SOFTMAX_OPS)[rng.integers(len(SOFTMAX_OPS))]
+  fn = SOFTMAX_OPS[name][0]
+  x = random_normal(rng, _leading_dims(rng, total) + (n,), dtype) * 3
+  what = f"{name} {jnp.dtype(dtype).name} x{x.shape}"
+  rows = x.reshape(-1, n)
+  full = fn(rows)
+  cut = int(rng.integers(1, total)) if total > 1 else 1
+  parts = [fn(rows[:cut])] + ([fn(rows[cut:])] if cut < total else [])
+  assert_bitwise_equal(jnp.concatenate(parts), full, what=f"{what}, split at {cut}")
+  tol = {jnp.float32: 2e-6, jnp.bfloat16: 8e-3, jnp.float16: 1e-3}[dtype]
+  assert relative_error(fn(x).reshape(full.shape), _softmax_float64(name, rows)) <= tol, what
+
+
+def _softmax_sharding(rng):
+  return jdet.log_softmax, random_normal(rng, (16, 300))
+
+
+# ---------------------------------------------------------------------------
+# token_logprobs
+
+TOKEN_LOGPROBS_TEMPERATURE = 0.7
+# (T, D, V): the target LM head (a Qwen-sized vocab), a Llama-3 vocab, and decode.
+TOKEN_LOGPROBS_BENCH = ((8192, 4096, 151936), (8192, 4096, 128256), (64, 4096, 151936))
+TOKEN_LOGPROBS_QUICK = ((16, 64, 300),)
+
+
+def _token_logprobs(h, w, t):
+  return jdet.token_logprobs(h, w, t, temperature=TOKEN_LOGPROBS_TEMPERATURE)
+
+
+def _token_logprobs_unfused(h, w, t):
+  """The unfused jdet composition token_logprobs equals bitwise."""
+  logits = jdet.matmul(h, w, preferred_element_type=jnp.float32) / TOKEN_LOGPROBS_TEMPERATURE
+  return jnp.take_along_axis(jdet.log_softmax(logits), t[..., None], -1)[..., 0]
+
+
+def _token_logprobs_xla(h, w, t):
+  logits = jnp.dot(h, w, preferred_element_type=jnp.float32) / TOKEN_LOGPROBS_TEMPERATURE
+  return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), t[..., None], -1)[..., 0]
+
+
+def _token_logprobs_float64(h, w, t):
+  x = np.asarray(h, np.float64) @ np.asarray(w, np.float64) / TOKEN_LOGPROBS_TEMPERATURE
+  top = x.max(-1, keepdims=True)
+  lp = x - top - np.log(np.exp(x - top).sum(-1, keepdims=True))
+  return np.take_along_axis(lp, np.asarray(t)[..., None], -1)[..., 0]
+
+
+def _token_logprobs_inputs(seed, t_rows, d, vocab):
+  h = random_normal(3 * seed, (t_rows, d), jnp.bfloat16)
+  w = (random_normal(3 * seed + 1, (d, vocab)) * (2 / np.sqrt(d))).astype(jnp.bfloat16)
+  t = jnp.asarray(np.random.default_rng(3 * seed + 2).integers(0, vocab, (t_rows,)), jnp.int32)
+  return h, w, t
+
+
+def _token_logprobs_check(full):
+  t_rows, d, vocab = (4096, 4096, 151936) if full else (24, 40, 300)
+  h, w, t = _token_logprobs_inputs(0, t_rows, d, vocab)
+  sizes = (1, 2, 3, 7, 17, 100, 1000) if full else (1, 7)
+  dhidden = lambda h, w, t: _row_grad(_token_logprobs)(h, w, t)
+  h32, w32 = h.astype(jnp.float32), w.astype(jnp.float32)
+  reference_dh = jax.grad(lambda h: 0.5 * jnp.sum(jdet.token_logprobs_reference(
+      h, w32, t, temperature=TOKEN_LOGPROBS_TEMPERATURE) ** 2))
+  return [
+      Case("token_logprobs", f"fwd bf16 T={t_rows} D={d} V={vocab}", _token_logprobs,
+           (h, w, t), (0, None, 0),
+           lambda: relative_error(_token_logprobs(h, w, t), _token_logprobs_float64(h, w, t)),
+           1e-5, sizes),
+      Case("token_logprobs", "fused vs unfused jdet (error 0 = bitwise)", _token_logprobs,
+           (h, w, t), (0, None, 0),
+           lambda: relative_error(jax.jit(_token_logprobs)(h, w, t),
+                                  jax.jit(_token_logprobs_unfused)(h, w, t)), 0.0, sizes),
+      Case("token_logprobs", "dhidden (grad of sum of squares)", dhidden, (h, w, t),
+           (0, None, 0), lambda: relative_error(dhidden(h, w, t), reference_dh(h32)), 1e-2,
+           sizes),
+  ]
+
+
+def token_logprobs_bench_cases(shapes):
+  """Forward and forward+backward against XLA's dot + log_softmax + gather, bf16."""
+  cases = []
+  for t_rows, d, vocab in shapes:
+    def make_args(seed, t_rows=t_rows, d=d, vocab=vocab):
+      h, w, t = _token_logprobs_inputs(seed, t_rows, d, vocab)
+      return h, w, t, random_normal(3 * seed + 2, (t_rows,))
+
+    def forward(fn):
+      return lambda h, w, t, g: fn(h, w, t)
+
+    def forward_and_backward(fn):
+      def run(h, w, t, g):
+        out, vjp = jax.vjp(lambda h, w: fn(h, w, t), h, w)
+        return out, *vjp(g)
+      return run
+
+    for pass_, wrap, passes in (("fwd", forward, 1), ("fwd+bwd", forward_and_backward, 3)):
+      cases.append(BenchCase(
+          "token_logprobs", f"T={t_rows} D={d} V={vocab} bf16", pass_, wrap(_token_logprobs),
+          "XLA dot + log_softmax + gather", wrap(_token_logprobs_xla), make_args,
+          (t_rows * d + d * vocab) * 2, flops=2.0 * t_rows * d * vocab * passes))
+  return cases
+
+
+def _token_logprobs_bench(full):
+  return token_logprobs_bench_cases(TOKEN_LOGPROBS_BENCH if full else TOKEN_LOGPROBS_QUICK)
+
+
+def _token_logprobs_sweep(rng):
+  total, d, vocab = int(rng.integers(1, 30)), int(rng.integers(1, 70)), int(rng.integers(1, 400))
+  h, w, t = _token_logprobs_inputs(int(rng.integers(1 << 20)), total, d, vocab)
+  what = f"token_logprobs T={total} D={d} V={vocab}"
+  full = _token_logprobs(h, w, t)
+  cut = int(rng.integers(1, total)) if total > 1 else 1
+  parts = [_token_logprobs(h[:cut], w, t[:cut])] + (
+      [_token_logprobs(h[cut:], w, t[cut:])] if cut < total else [])
+  assert_bitwise_equal(jnp.concatenate(parts), full, what=f"{what}, split at {cut}")
+  assert_bitwise_equal(full, _token_logprobs_unfused(h, w, t), what=f"{what}: fused vs unfused")
+  assert relative_error(full, _token_logprobs_float64(h, w, t)) <= 1e-5, what
+
+
+def _token_logprobs_sharding(rng):
+  """Tokens from each row's own argmax (row-local), so only hidden is batched."""
+  w = random_normal(rng, (40, 300)).astype(jnp.bfloat16)
+  fn = lambda h, w: _token_logprobs(h, w, jax.lax.stop_gradient(jnp.argmax(h, axis=-1)))
+  return fn, random_normal(rng, (16, 40)).astype(jnp.bfloat16), w
+
+
+# ---------------------------------------------------------------------------
+
+OPS: dict[str, Op] = {op.name: op for op in (
+    Op("matmul", _matmul_check, _matmul_bench, _matmul_sweep, _matmul_sharding),
+    Op("rms_norm", _rms_norm_check, _rms_norm_bench, _rms_norm_sweep, _rms_norm_sharding),
+    Op("sinkhorn", _sinkhorn_check, _sinkhorn_bench, _sinkhorn_sweep, _sinkhorn_sharding),
+    Op("softmax", _softmax_check, _softmax_bench, _softmax_sweep, _softmax_sharding),
+    Op("token_logprobs", _token_logprobs_check, _token_logprobs_bench, _token_logprobs_sweep,
+       _token_logprobs_sharding),
+    Op("tri_inverse", _tri_inverse_check, _tri_inverse_bench, _tri_inverse_sweep,
+       _tri_inverse_sharding),
+    Op("dot_product_attention", _attention_check, _attention_bench, _attention_sweep,
+       _attention_sharding),
+)}

@@ -1,0 +1,709 @@
+"""Flash attention whose every query row is bitwise the same in prefill, chunked
+prefill and decode.
+
+Layout: the queries of one kv head are *packed rows*: query ``[B, T, N, H]`` with
+N = K * G (G query heads share a kv head) becomes ``[B, K, T * G, H]``, row
+``r = t * G + g`` (:func:`pack_rows`). A program owns ``block_q`` rows of one
+(sequence, kv head); a decode step (T = 1) fills G of them, the rest are
+masked. Key and value stay in their ``[B, S, K, H]`` layout.
+
+Numerics contract (what makes a row's bits independent of T, B, S and of where
+the row sits in its tile):
+  * Logits are ``s = (q . k) * scale * log2(e)`` in float32 (exponentials are
+    base 2). A masked key (position >= the sequence's valid length, or, with
+    ``causal``, position > ``query_offset + t``) has ``s = -inf`` and
+    contributes exactly zero; its key/value are never loaded, so garbage (NaN)
+    there changes nothing.
+  * Keys are visited in blocks of ``block_k`` aligned to absolute positions
+    (block j holds keys [j * block_k, (j + 1) * block_k)), in increasing order,
+    grouped into *chunks* of ``chunk_k`` keys. Every chunk starts from the empty
+    state (m = -inf, l = 0, acc = 0); one block step updates a row's
+    (max m, sum l, acc) online; the row sum of a block is taken on the tensor
+    cores from the same rounded probabilities that multiply V
+    (``max_j (p @ ones[block_k, 16])[:, j]``: 16 equal columns, max is exact).
+    Chunk states are merged into the running total in increasing chunk order
+    by :func:`_merge`, then the total is normalised by :func:`_finalize`. The
+    prefill kernel merges in-kernel; the split kernel writes each chunk's float32
+    state and :func:`attention_combine_kernel` merges them with the same
+    :func:`_merge` and :func:`_finalize`. So both paths give the same bits.
+  * A block or a chunk that is fully masked for a row is an exact no-op on that
+    row's state (alpha = exp2(0) = 1, p = 0, a fused multiply-add with 0), so
+    loop bounds (causal skipping, the valid length, the tile's last row) may
+    differ between calls without changing a bit.
+  * Tile shapes, dtypes and warps come from :func:`attention_tiles`: a function
+    of the head size, dtype and device only. Triton's MMA layouts give every row
+    of a fixed-shape tile the same arithmetic, wherever it sits in the tile.
+  * On the GPU every float32 product that meets an add carries an explicit
+    rounding mode: the logit scaling and the merge's rescaling products are
+    ``mul.rn.f32``, the state updates (``l * alpha + l_block``,
+    ``acc * alpha + p @ V`` and the merge's) one ``fma.rn.f32`` each, the
+    normalisation ``acc / l`` ``div.rn.f32`` (:func:`_mul`, :func:`_fma`,
+    ``divide``). Neither LLVM nor ptxas contracts such an instruction, whereas
+    a plain ``mul.f32`` feeding an ``add.f32`` may become an FMA or not
+    depending on the code around it; so one line of Python rounds the same in
+    every kernel that runs it. In interpret mode the products go through
+    ``optimization_barrier`` so XLA:CPU cannot contract them differently in
+    different programs.
+  * The prefill, split and combine kernels launch with the same warps and
+    stages, and the prefill and split kernels issue the same dots from the
+    same tiles (``[block_q, W] x [W, block_k]``, ``[block_q, block_k] x
+    [block_k, W]`` and ``x [block_k, 16]``), so Triton picks the same MMA
+    instruction and layout for both. Float32 dots are IEEE (precision
+    HIGHEST, FMAs in increasing k), never TF32.
+
+Kernels:
+  * :func:`attention_forward_kernel` - prefill: all chunks of a row tile.
+  * :func:`attention_split_kernel` - one chunk of a row tile (decode: parallel
+    over the key sequence); :func:`attention_combine_kernel` merges them.
+  * :func:`attention_delta_kernel`, :func:`attention_dkdv_kernel`,
+    :func:`attention_dq_kernel` - the backward from the saved log-sum-exp:
+    dK/dV per key block over query row blocks in increasing order, dQ per row
+    block over key blocks in increasing order. No atomics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels._common import (block_mask, cdiv, compiler_params, divide, dot_f32,
+                                    load_block, lookup_tiles, multiply, multiply_add,
+                                    store_block)
+
+LOG2E = math.log2(math.e)
+ONES_COLUMNS = 16  # width of the ones matrix whose product gives the row sums
+MAX_HEAD_DIM = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionTiles:
+  """Forward: ``block_q`` packed rows x ``block_k`` keys per step, chunks of
+  ``chunk_k`` keys, Triton warps/stages. Backward: ``bwd_block_q`` rows x
+  ``bwd_block_k`` keys for the dK/dV, dQ and delta kernels."""
+  block_q: int
+  block_k: int
+  chunk_k: int
+  num_warps: int
+  num_stages: int
+  bwd_block_q: int
+  bwd_block_k: int
+  bwd_warps: int
+  bwd_stages: int
+
+
+# GPU tiles, one table per input width: ``(largest padded head size served,
+# tiles)`` pairs read by ``lookup_tiles``. Not measured yet (written without
+# device access); the shapes follow the Triton flash-attention tutorial and
+# jax's Pallas attention for the H100: 128-row query tiles with 64-key steps
+# for 16-bit inputs (two warpgroups of 64 rows with 8 warps), smaller tiles
+# where float32 or a 256-wide head would exhaust registers and shared memory.
+# chunk_k = 512 gives a 32,768-key decode 64 chunks per (sequence, kv head).
+# Whatever the entries, a row's bits depend on them and on nothing else:
+# changing an entry changes results, never invariance.
+GPU_TILES_16BIT: tuple[tuple[int, AttentionTiles], ...] = (
+    (64, AttentionTiles(128, 64, 512, 4, 3, 64, 64, 4, 2)),
+    (128, AttentionTiles(128, 64, 512, 8, 3, 64, 64, 4, 2)),
+    (256, AttentionTiles(64, 32, 512, 4, 2, 32, 32, 4, 1)),
+)
+GPU_TILES_32BIT: tuple[tuple[int, AttentionTiles], ...] = (
+    (128, AttentionTiles(64, 32, 512, 4, 2, 32, 32, 4, 1)),
+    (256, AttentionTiles(32, 32, 512, 4, 1, 16, 16, 4, 1)),
+)
+
+# Interpret mode (CPU): small blocks so that tiny test shapes run several row
+# tiles, key blocks and chunks.
+INTERPRET_TILES = AttentionTiles(16, 8, 16, 4, 1, 16, 8, 4, 1)
+
+# The split (decode) path runs when one row tile holds all of a (sequence, kv
+# head)'s rows and the prefill grid would give fewer programs than this (two
+# waves of the H100's 132 SMs). Both paths give the same bits.
+SPLIT_BELOW_PROGRAMS = 264
+
+
+def padded_head_dim(head_dim: int) -> int:
+  return max(16, pl.next_power_of_2(head_dim))
+
+
+def attention_tiles(head_dim: int, dtype, *, interpret: bool) -> AttentionTiles:
+  """The tiles for ``head_dim`` and ``dtype``; never a function of B, T or S."""
+  if interpret:
+    return INTERPRET_TILES
+  table = GPU_TILES_32BIT if jnp.dtype(dtype).itemsize == 4 else GPU_TILES_16BIT
+  return lookup_tiles(table, padded_head_dim(head_dim))
+
+
+def use_split(rows: int, batch: int, kv_heads: int, seq: int, tiles: AttentionTiles) -> bool:
+  """Whether the split-KV path serves this call; a function of shapes only, and
+  either choice gives the same bits."""
+  return (rows <= tiles.block_q and batch * kv_heads < SPLIT_BELOW_PROGRAMS
+          and seq > tiles.chunk_k)
+
+
+def pack_rows(x, kv_heads: int):
+  """[B, T, N, H] -> [B, K, T * G, H], row t * G + g holding head k * G + g."""
+  b, t, n, h = x.shape
+  g = n // kv_heads
+  return x.reshape(b, t, kv_heads, g, h).transpose(0, 2, 1, 3, 4).reshape(b, kv_heads, t * g, h)
+
+
+def unpack_rows(x, seq_len: int):
+  """Inverse of :func:`pack_rows`: [B, K, T * G, H] -> [B, T, K * G, H]."""
+  b, k, r, h = x.shape
+  g = r // seq_len
+  return x.reshape(b, k, seq_len, g, h).transpose(0, 2, 1, 3, 4).reshape(b, seq_len, k * g, h)
+
+
+# ---------------------------------------------------------------------------
+# Elementwise pieces shared by every kernel.
+
+
+def _barrier(x, native: bool):
+  """In interpret mode, keeps XLA:CPU from contracting ``x`` into a later add."""
+  return x if native else lax.optimization_barrier(x)
+
+
+def _mul(a, b, native: bool):
+  """``a * b`` rounded on its own whatever consumes it: one ``mul.rn.f32`` on the
+  GPU (neither LLVM nor ptxas fuses an instruction with an explicit rounding
+  mode into a later add), an optimization barrier in interpret mode."""
+  return multiply(a, b) if native else lax.optimization_barrier(a * b)
+
+
+def _fma(a, b, c, native: bool):
+  """``a * b + c``: one ``fma.rn.f32`` on the GPU, two roundings in interpret mode."""
+  if native:
+    return multiply_add(a, b, c, fused=True)
+  return _mul(a, b, native) + c
+
+
+def _logits(q, k, st: _Static):
+  """Base-2 logits ``(q . k) * scale * log2(e)`` in float32, the scaling rounded
+  on its own (never fused into the ``s - max`` that follows)."""
+  return _mul(dot_f32(q, k, trans_b=True, precision=st.precision), st.scale * LOG2E, st.native)
+
+
+def _finite_or_zero(m):
+  """The shift of a row's exponentials: its max, or 0 when the row has none yet
+  (so exp2(-inf - 0) = 0 instead of NaN)."""
+  return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def _empty_state(rows: int, width: int):
+  return (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
+          jnp.zeros((rows, width), jnp.float32))
+
+
+def _merge(total, part, native: bool):
+  """Merges a chunk's (m, l, acc) into the running total: the one merge of every
+  path. Merging an empty chunk (-inf, 0, 0) leaves the total's bits unchanged."""
+  m_tot, l_tot, acc_tot = total
+  m_part, l_part, acc_part = part
+  m_new = jnp.maximum(m_tot, m_part)
+  shift = _finite_or_zero(m_new)
+  alpha = jnp.exp2(m_tot - shift)
+  beta = jnp.exp2(m_part - shift)
+  l_new = _fma(l_tot, alpha, _mul(l_part, beta, native), native)
+  acc_new = _fma(acc_tot, alpha[:, None], _mul(acc_part, beta[:, None], native), native)
+  return m_new, l_new, acc_new
+
+
+def _finalize(state, native: bool):
+  """(m, l, acc) -> (acc / l, base-2 log-sum-exp). A row without a valid key
+  gives zeros and a log-sum-exp of +inf (the backward then recomputes p = 0).
+  The division is IEEE (``div.rn.f32``) on the GPU."""
+  m, l, acc = state
+  has_keys = l > 0
+  out = divide(acc, jnp.where(has_keys, l, 1.0)[:, None], native=native)
+  lse = jnp.where(has_keys, _barrier(jnp.log2(jnp.where(has_keys, l, 1.0)), native) + m,
+                  jnp.inf)
+  return out, lse
+
+
+def _row_positions(row_start, block_q: int, group: int, offset):
+  """Absolute position of each packed row of a tile: offset + r // G."""
+  return offset + (row_start + jnp.arange(block_q)) // group
+
+
+def _key_limit(kv_len, seq: int):
+  return jnp.clip(kv_len, 0, seq)
+
+
+def _int_select(cond, if_true: int, if_false: int):
+  """``where(cond, if_true, if_false)`` for two static ints, as int32 constants:
+  the Triton lowering of ``select_n`` gives a weakly typed literal operand the
+  predicate's type (i1), which the Triton verifier then rejects."""
+  return jnp.where(cond, jnp.int32(if_true), jnp.int32(if_false))
+
+
+def _causal_limit(key_limit, offset, last_row, group: int):
+  """Keys any row up to ``last_row`` may see: positions < offset + last_t + 1."""
+  return jnp.clip(offset + last_row // group + 1, 0, key_limit)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """What every kernel needs to know besides refs: sizes, flags and tiles."""
+  rows: int        # packed rows per (sequence, kv head): T * G
+  group: int       # G
+  seq: int         # S
+  head_dim: int    # H (the refs are padded_head_dim wide)
+  causal: bool
+  scale: float
+  precision: lax.Precision | None
+  native: bool
+  tiles: AttentionTiles
+
+  @property
+  def width(self) -> int:
+    return padded_head_dim(self.head_dim)
+
+  @property
+  def head_cols(self):
+    return None if self.width == self.head_dim else jnp.arange(self.width) < self.head_dim
+
+
+def _block_step(kb, state, *, q, k_ref, v_ref, base, row_pos, key_limit, masked: bool,
+                st: _Static):
+  """One online-softmax step over key block ``kb`` (keys base + kb * block_k ...)
+  of refs whose first key is absolute position ``base``. ``masked=False`` is for
+  blocks every row of the tile sees whole: it skips the masks, which would keep
+  every logit anyway, so the bits are the same."""
+  bk = st.tiles.block_k
+  m, l, acc = state
+  local = pl.multiple_of(kb * bk, bk)
+  keys = base + local + jnp.arange(bk)
+  key_ok = keys < key_limit if masked else None
+  k = load_block(k_ref.at[pl.ds(local, bk), :], rows=key_ok, cols=st.head_cols)
+  v = load_block(v_ref.at[pl.ds(local, bk), :], rows=key_ok, cols=st.head_cols)
+  s = _logits(q, k, st)
+  if masked:
+    mask = key_ok[None, :]
+    if st.causal:
+      mask = mask & (keys[None, :] <= row_pos[:, None])
+    s = jnp.where(mask, s, -jnp.inf)
+  m_new = jnp.maximum(m, jnp.max(s, axis=1))
+  shift = _finite_or_zero(m_new)
+  alpha = jnp.exp2(m - shift)
+  p = jnp.exp2(s - shift[:, None]).astype(v.dtype)
+  ones = jnp.ones((bk, ONES_COLUMNS), v.dtype)
+  l_block = jnp.max(_barrier(dot_f32(p, ones, precision=st.precision), st.native), axis=1)
+  pv = _barrier(dot_f32(p, v, precision=st.precision), st.native)
+  return m_new, _fma(l, alpha, l_block, st.native), _fma(acc, alpha[:, None], pv, st.native)
+
+
+def _chunk_state(q, k_ref, v_ref, *, base, first_block, end_block, clear_end, row_pos,
+                 key_limit, st: _Static):
+  """The state of one chunk: key blocks [first_block, end_block) from empty, in
+  order; those below ``clear_end`` are seen whole by every row (no masks)."""
+  step = functools.partial(_block_step, q=q, k_ref=k_ref, v_ref=v_ref, base=base,
+                           row_pos=row_pos, key_limit=key_limit, st=st)
+  middle = jnp.clip(clear_end, first_block, end_block)
+  state = lax.fori_loop(first_block, middle, functools.partial(step, masked=False),
+                        _empty_state(st.tiles.block_q, st.width))
+  return lax.fori_loop(middle, end_block, functools.partial(step, masked=True), state)
+
+
+def _tile_setup(lens_ref, offs_ref, q_ref, row_tile, st: _Static):
+  """The tile's query block, row positions/mask and its key bounds."""
+  bq = st.tiles.block_q
+  row_start = row_tile * bq
+  offset = offs_ref[0]
+  key_limit = _key_limit(lens_ref[0], st.seq)
+  rows_ok = block_mask(row_start, bq, st.rows) if st.rows % bq else None
+  q = load_block(q_ref, rows=rows_ok, cols=st.head_cols)
+  row_pos = _row_positions(row_start, bq, st.group, offset)
+  bound = key_limit
+  clear = key_limit
+  if st.causal:
+    bound = _causal_limit(key_limit, offset, jnp.minimum(row_start + bq, st.rows) - 1, st.group)
+    clear = _causal_limit(key_limit, offset, row_start, st.group)
+  # Key blocks below clear_end hold only keys every row of the tile sees.
+  clear_end = clear // st.tiles.block_k
+  return q, rows_ok, row_pos, key_limit, bound, clear_end
+
+
+def attention_forward_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                             st: _Static):
+  """Prefill: one tile of packed rows against every chunk it may see.
+
+  lens_ref, offs_ref: [1] int32 (this sequence's valid keys, first query's
+  position); q_ref, o_ref: [block_q, W]; k_ref, v_ref: [Sp, W] (the whole
+  sequence, rows >= S never loaded); lse_ref: [block_q] float32 (base 2).
+  """
+  tiles = st.tiles
+  q, rows_ok, row_pos, key_limit, bound, clear_end = _tile_setup(
+      lens_ref, offs_ref, q_ref, pl.program_id(0), st)
+  blocks_per_chunk = tiles.chunk_k // tiles.block_k
+  num_blocks = (bound + tiles.block_k - 1) // tiles.block_k
+
+  def chunk(c, total):
+    first = c * blocks_per_chunk
+    part = _chunk_state(q, k_ref, v_ref, base=0, first_block=first,
+                        end_block=jnp.minimum(first + blocks_per_chunk, num_blocks),
+                        clear_end=clear_end, row_pos=row_pos, key_limit=key_limit, st=st)
+    return _merge(total, part, st.native)
+
+  num_chunks = (bound + tiles.chunk_k - 1) // tiles.chunk_k
+  total = lax.fori_loop(0, num_chunks, chunk, _empty_state(tiles.block_q, st.width))
+  out, lse = _finalize(total, st.native)
+  store_block(o_ref, out.astype(o_ref.dtype), rows=rows_ok, cols=st.head_cols)
+  _store_rows(lse_ref, lse, rows_ok)
+
+
+def _store_rows(ref, value, rows_ok):
+  """Stores a [block] vector, skipping rows past the array (mask None: all in)."""
+  if rows_ok is None:
+    ref[...] = value
+  else:
+    pltriton.store(ref, value, mask=rows_ok)
+
+
+def _load_rows(ref, rows_ok, other):
+  return ref[...] if rows_ok is None else pltriton.load(ref, mask=rows_ok, other=other)
+
+
+def attention_split_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *,
+                           st: _Static, row_tiles: int):
+  """Decode: one chunk of ``chunk_k`` keys for one tile of packed rows.
+
+  k_ref, v_ref: [chunk_k, W], keys c * chunk_k ...; m_ref, l_ref: [block_q];
+  acc_ref: [block_q, W]: the chunk's float32 state from empty (an empty chunk
+  stores (-inf, 0, 0)).
+  """
+  tiles = st.tiles
+  c = pl.program_id(0) // row_tiles
+  q, rows_ok, row_pos, key_limit, bound, clear_end = _tile_setup(
+      lens_ref, offs_ref, q_ref, pl.program_id(0) % row_tiles, st)
+  base = c * tiles.chunk_k
+  end = jnp.clip((bound - base + tiles.block_k - 1) // tiles.block_k, 0,
+                 tiles.chunk_k // tiles.block_k)
+  m, l, acc = _chunk_state(q, k_ref, v_ref, base=base, first_block=0, end_block=end,
+                           clear_end=clear_end - c * (tiles.chunk_k // tiles.block_k),
+                           row_pos=row_pos, key_limit=key_limit, st=st)
+  _store_rows(m_ref, m, rows_ok)
+  _store_rows(l_ref, l, rows_ok)
+  store_block(acc_ref, acc, rows=rows_ok)
+
+
+def attention_combine_kernel(lens_ref, offs_ref, m_ref, l_ref, acc_ref, o_ref, lse_ref, *,
+                             st: _Static):
+  """Merges the split kernel's chunk states in increasing chunk order.
+
+  m_ref, l_ref: [C, block_q]; acc_ref: [C, block_q, W]; o_ref: [block_q, W];
+  lse_ref: [block_q]. Chunks past the tile's key bound are empty and skipped.
+  """
+  tiles = st.tiles
+  bq = tiles.block_q
+  row_start = pl.program_id(0) * bq
+  offset = offs_ref[0]
+  rows_ok = block_mask(row_start, bq, st.rows) if st.rows % bq else None
+  bound = _key_limit(lens_ref[0], st.seq)
+  if st.causal:
+    bound = _causal_limit(bound, offset, jnp.minimum(row_start + bq, st.rows) - 1, st.group)
+
+  def chunk(c, total):
+    part = (_load_rows(m_ref.at[c], rows_ok, -jnp.inf), _load_rows(l_ref.at[c], rows_ok, 0.0),
+            load_block(acc_ref.at[c], rows=rows_ok))
+    return _merge(total, part, st.native)
+
+  num_chunks = (bound + tiles.chunk_k - 1) // tiles.chunk_k
+  total = lax.fori_loop(0, num_chunks, chunk, _empty_state(bq, st.width))
+  out, lse = _finalize(total, st.native)
+  store_block(o_ref, out.astype(o_ref.dtype), rows=rows_ok, cols=st.head_cols)
+  _store_rows(lse_ref, lse, rows_ok)
+
+
+# ---------------------------------------------------------------------------
+# Backward.
+
+
+def attention_delta_kernel(o_ref, do_ref, delta_ref, *, st: _Static):
+  """delta = rowsum(out * dout) in float32 for ``bwd_block_q`` packed rows."""
+  bq = st.tiles.bwd_block_q
+  rows_ok = block_mask(pl.program_id(0) * bq, bq, st.rows) if st.rows % bq else None
+  o = load_block(o_ref, rows=rows_ok, cols=st.head_cols).astype(jnp.float32)
+  do = load_block(do_ref, rows=rows_ok, cols=st.head_cols).astype(jnp.float32)
+  _store_rows(delta_ref, jnp.sum(_mul(o, do, st.native), axis=1), rows_ok)
+
+
+def _probabilities(q, k, lse, mask, st: _Static):
+  """The forward's probabilities, recomputed from the base-2 log-sum-exp.
+  ``mask=None`` is for blocks every row sees whole (rows past the end have
+  lse = +inf, so p = 0 there)."""
+  s = _logits(q, k, st)
+  if mask is not None:
+    s = jnp.where(mask, s, -jnp.inf)
+  return jnp.exp2(s - lse[:, None])
+
+
+def _backward_mask(keys, key_ok, rows_ok, row_pos, st: _Static):
+  mask = key_ok[None, :]
+  if rows_ok is not None:
+    mask = mask & rows_ok[:, None]
+  if st.causal:
+    mask = mask & (keys[None, :] <= row_pos[:, None])
+  return mask
+
+
+def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                          dk_ref, dv_ref, *, st: _Static):
+  """dK, dV of one block of ``bwd_block_k`` keys, summed over the sequence's
+  packed query rows in blocks of ``bwd_block_q``, in increasing order.
+
+  q_ref, do_ref: [Rp, W]; lse_ref, delta_ref: [Rp]; k_ref, v_ref, dk_ref,
+  dv_ref: [bwd_block_k, W]. Keys at or past the valid length get zeros.
+  """
+  tiles = st.tiles
+  bq, bk = tiles.bwd_block_q, tiles.bwd_block_k
+  key_start = pl.program_id(0) * bk
+  offset = offs_ref[0]
+  key_limit = _key_limit(lens_ref[0], st.seq)
+  keys = key_start + jnp.arange(bk)
+  key_ok = keys < key_limit
+  k = load_block(k_ref, rows=key_ok, cols=st.head_cols)
+  v = load_block(v_ref, rows=key_ok, cols=st.head_cols)
+  num_row_blocks = cdiv(st.rows, bq)
+  first = 0
+  if st.causal:  # rows before the first that may see key_start contribute zeros
+    first = jnp.clip((key_start - offset) * st.group, 0, st.rows) // bq
+  # A key block past the valid keys has no work: start at the end.
+  first = jnp.maximum(first, _int_select(key_start < key_limit, 0, num_row_blocks))
+
+  def step(rb, carry, masked):
+    dk, dv = carry
+    row_start = pl.multiple_of(rb * bq, bq)
+    rows = pl.ds(row_start, bq)
+    rows_ok = block_mask(row_start, bq, st.rows) if st.rows % bq else None
+    q = load_block(q_ref.at[rows, :], rows=rows_ok, cols=st.head_cols)
+    do = load_block(do_ref.at[rows, :], rows=rows_ok, cols=st.head_cols)
+    lse = _load_rows(lse_ref.at[rows], rows_ok, jnp.inf)
+    delta = _load_rows(delta_ref.at[rows], rows_ok, 0.0)
+    row_pos = _row_positions(row_start, bq, st.group, offset)
+    mask = _backward_mask(keys, key_ok, rows_ok, row_pos, st) if masked else None
+    p = _probabilities(q, k, lse, mask, st)
+    dv = dv + _barrier(dot_f32(p.astype(do.dtype), do, trans_a=True, precision=st.precision),
+                       st.native)
+    dp = dot_f32(do, v, trans_b=True, precision=st.precision)
+    ds = p * (dp - delta[:, None])
+    dk = dk + _barrier(dot_f32(ds.astype(q.dtype), q, trans_a=True, precision=st.precision),
+                       st.native)
+    return dk, dv
+
+  # Row blocks from clear_start on see every key of this block (all valid).
+  clear_start = first
+  if st.causal:
+    last_key_rows = jnp.maximum((key_start + bk - 1 - offset) * st.group, 0)
+    clear_start = jnp.clip((last_key_rows + bq - 1) // bq, first, num_row_blocks)
+  clear_start = jnp.maximum(clear_start, _int_select(key_start + bk <= key_limit, 0,
+                                                     num_row_blocks))
+  zeros = jnp.zeros((bk, st.width), jnp.float32)
+  carry = lax.fori_loop(first, clear_start, functools.partial(step, masked=True), (zeros, zeros))
+  dk, dv = lax.fori_loop(clear_start, num_row_blocks, functools.partial(step, masked=False), carry)
+  keys_in = block_mask(key_start, bk, st.seq) if st.seq % bk else None
+  store_block(dk_ref, (dk * st.scale).astype(dk_ref.dtype), rows=keys_in, cols=st.head_cols)
+  store_block(dv_ref, dv.astype(dv_ref.dtype), rows=keys_in, cols=st.head_cols)
+
+
+def attention_dq_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                        dq_ref, *, st: _Static):
+  """dQ of ``bwd_block_q`` packed rows over the key blocks in increasing order.
+
+  q_ref, do_ref, dq_ref: [bwd_block_q, W]; lse_ref, delta_ref: [bwd_block_q];
+  k_ref, v_ref: [Sp, W] (rows >= S never loaded).
+  """
+  tiles = st.tiles
+  bq, bk = tiles.bwd_block_q, tiles.bwd_block_k
+  row_start = pl.program_id(0) * bq
+  offset = offs_ref[0]
+  key_limit = _key_limit(lens_ref[0], st.seq)
+  rows_ok = block_mask(row_start, bq, st.rows) if st.rows % bq else None
+  q = load_block(q_ref, rows=rows_ok, cols=st.head_cols)
+  do = load_block(do_ref, rows=rows_ok, cols=st.head_cols)
+  lse = _load_rows(lse_ref, rows_ok, jnp.inf)
+  delta = _load_rows(delta_ref, rows_ok, 0.0)
+  row_pos = _row_positions(row_start, bq, st.group, offset)
+  bound = key_limit
+  if st.causal:
+    bound = _causal_limit(key_limit, offset, jnp.minimum(row_start + bq, st.rows) - 1, st.group)
+
+  def step(kb, dq, masked):
+    local = pl.multiple_of(kb * bk, bk)
+    keys = local + jnp.arange(bk)
+    key_ok = keys < key_limit if masked else None
+    k = load_block(k_ref.at[pl.ds(local, bk), :], rows=key_ok, cols=st.head_cols)
+    v = load_block(v_ref.at[pl.ds(local, bk), :], rows=key_ok, cols=st.head_cols)
+    mask = _backward_mask(keys, key_ok, rows_ok, row_pos, st) if masked else None
+    p = _probabilities(q, k, lse, mask, st)
+    dp = dot_f32(do, v, trans_b=True, precision=st.precision)
+    ds = p * (dp - delta[:, None])
+    return dq + _barrier(dot_f32(ds.astype(k.dtype), k, precision=st.precision), st.native)
+
+  clear = key_limit
+  if st.causal:
+    clear = _causal_limit(key_limit, offset, row_start, st.group)
+  num_blocks = (bound + bk - 1) // bk
+  middle = jnp.minimum(clear // bk, num_blocks)  # key blocks below it: seen whole
+  dq = lax.fori_loop(0, middle, functools.partial(step, masked=False),
+                     jnp.zeros((bq, st.width), jnp.float32))
+  dq = lax.fori_loop(middle, num_blocks, functools.partial(step, masked=True), dq)
+  store_block(dq_ref, (dq * st.scale).astype(dq_ref.dtype), rows=rows_ok, cols=st.head_cols)
+
+
+# ---------------------------------------------------------------------------
+# Launchers: natural (unpadded) layouts in, natural layouts out.
+
+
+def _static(q, k, *, scale, causal, tiles, interpret) -> _Static:
+  b, t, n, h = q.shape
+  native = not interpret
+  precision = lax.Precision.HIGHEST if native and q.dtype == jnp.float32 else None
+  return _Static(rows=t * (n // k.shape[2]), group=n // k.shape[2], seq=k.shape[1],
+                 head_dim=h, causal=causal, scale=float(scale), precision=precision,
+                 native=native, tiles=tiles)
+
+
+def _scalar_spec():
+  return pl.BlockSpec((1,), lambda i, b, h: (b,))
+
+
+def _kv_spec(length: int, width: int):
+  """A whole (padded) key sequence of one kv head."""
+  return pl.BlockSpec((None, length, None, width), lambda i, b, h: (b, 0, h, 0))
+
+
+def _rows_spec(block: int, width: int | None = None):
+  if width is None:
+    return pl.BlockSpec((None, None, block), lambda i, b, h: (b, h, i))
+  return pl.BlockSpec((None, None, block, width), lambda i, b, h: (b, h, i, 0))
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "causal", "tiles", "interpret", "split"))
+def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: bool,
+                      tiles: AttentionTiles, interpret: bool, split: bool | None = None):
+  """Forward attention.
+
+  q: [B, T, N, H]; k, v: [B, S, K, H] (N a multiple of K); kv_lengths,
+  q_offsets: [B] int32. ``split=None`` picks the prefill or the split-KV path
+  by :func:`use_split` (same bits either way). Returns (out [B, T, N, H] in q's
+  dtype, base-2 log-sum-exp [B, K, T * N // K] float32, +inf for a row without
+  a valid key).
+  """
+  b, t, _, h = q.shape
+  s, kv_heads = k.shape[1], k.shape[2]
+  st = _static(q, k, scale=scale, causal=causal, tiles=tiles, interpret=interpret)
+  qp = pack_rows(q, kv_heads)
+  rows, width, bq = st.rows, st.width, tiles.block_q
+  row_tiles = cdiv(rows, bq)
+  if split is None:
+    split = use_split(rows, b, kv_heads, s, tiles)
+  out_shapes = (jax.ShapeDtypeStruct((b, kv_heads, rows, h), q.dtype),
+                jax.ShapeDtypeStruct((b, kv_heads, rows), jnp.float32))
+  out_specs = (_rows_spec(bq, width), _rows_spec(bq))
+  params = compiler_params(tiles.num_warps, tiles.num_stages)
+  scalars = (kv_lengths.astype(jnp.int32), q_offsets.astype(jnp.int32))
+  if not split:
+    kv_len = cdiv(s, tiles.block_k) * tiles.block_k
+    op, lse = pl.pallas_call(
+        functools.partial(attention_forward_kernel, st=st),
+        grid=(row_tiles, b, kv_heads),
+        in_specs=[_scalar_spec(), _scalar_spec(), _rows_spec(bq, width),
+                  _kv_spec(kv_len, width), _kv_spec(kv_len, width)],
+        out_specs=out_specs, out_shape=out_shapes, compiler_params=params,
+        interpret=interpret, name="jdet_attention",
+    )(*scalars, qp, k, v)
+    return unpack_rows(op, t), lse
+
+  ck = tiles.chunk_k
+  chunks = cdiv(s, ck)
+
+  def part_index(p, bi, hi):
+    return bi, hi, p // row_tiles, p % row_tiles
+
+  chunk_spec = pl.BlockSpec((None, ck, None, width),
+                            lambda p, bi, hi: (bi, p // row_tiles, hi, 0))
+  m, l, acc = pl.pallas_call(
+      functools.partial(attention_split_kernel, st=st, row_tiles=row_tiles),
+      grid=(chunks * row_tiles, b, kv_heads),
+      in_specs=[_scalar_spec(), _scalar_spec(),
+                pl.BlockSpec((None, None, bq, width),
+                             lambda p, bi, hi: (bi, hi, p % row_tiles, 0)),
+                chunk_spec, chunk_spec],
+      out_specs=(pl.BlockSpec((None, None, None, bq), part_index),
+                 pl.BlockSpec((None, None, None, bq), part_index),
+                 pl.BlockSpec((None, None, None, bq, width), lambda p, bi, hi: (*part_index(
+                     p, bi, hi), 0))),
+      out_shape=(jax.ShapeDtypeStruct((b, kv_heads, chunks, rows), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kv_heads, chunks, rows), jnp.float32),
+                 jax.ShapeDtypeStruct((b, kv_heads, chunks, rows, width), jnp.float32)),
+      compiler_params=params, interpret=interpret, name="jdet_attention_split",
+  )(*scalars, qp, k, v)
+  op, lse = pl.pallas_call(
+      functools.partial(attention_combine_kernel, st=st),
+      grid=(row_tiles, b, kv_heads),
+      in_specs=[_scalar_spec(), _scalar_spec(),
+                pl.BlockSpec((None, None, chunks, bq), lambda i, bi, hi: (bi, hi, 0, i)),
+                pl.BlockSpec((None, None, chunks, bq), lambda i, bi, hi: (bi, hi, 0, i)),
+                pl.BlockSpec((None, None, chunks, bq, width),
+                             lambda i, bi, hi: (bi, hi, 0, i, 0))],
+      out_specs=out_specs, out_shape=out_shapes, compiler_params=params,
+      interpret=interpret, name="jdet_attention_combine",
+  )(*scalars, m, l, acc)
+  return unpack_rows(op, t), lse
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "causal", "tiles", "interpret"))
+def attention_backward(q, k, v, out, lse, dout, kv_lengths, q_offsets, *, scale: float,
+                       causal: bool, tiles: AttentionTiles, interpret: bool):
+  """Gradients of :func:`attention_forward` from its output and log-sum-exp.
+
+  q, out, dout: [B, T, N, H]; k, v: [B, S, K, H]; lse: [B, K, T * N // K].
+  Returns (dq [B, T, N, H], dk, dv [B, S, K, H]) in the inputs' dtypes.
+  """
+  b, t, _, _ = q.shape
+  s, kv_heads = k.shape[1], k.shape[2]
+  st = _static(q, k, scale=scale, causal=causal, tiles=tiles, interpret=interpret)
+  qp, op, dop = (pack_rows(x, kv_heads) for x in (q, out, dout))
+  rows, width = st.rows, st.width
+  bq, bk = tiles.bwd_block_q, tiles.bwd_block_k
+  row_blocks = cdiv(rows, bq)
+  params = compiler_params(tiles.bwd_warps, tiles.bwd_stages)
+  scalars = (kv_lengths.astype(jnp.int32), q_offsets.astype(jnp.int32))
+  delta = pl.pallas_call(
+      functools.partial(attention_delta_kernel, st=st),
+      grid=(row_blocks, b, kv_heads),
+      in_specs=[_rows_spec(bq, width), _rows_spec(bq, width)],
+      out_specs=_rows_spec(bq),
+      out_shape=jax.ShapeDtypeStruct((b, kv_heads, rows), jnp.float32),
+      compiler_params=params, interpret=interpret, name="jdet_attention_delta",
+  )(op, dop)
+  all_rows = row_blocks * bq
+  whole_rows = (pl.BlockSpec((None, None, all_rows, width), lambda j, bi, hi: (bi, hi, 0, 0)),
+                pl.BlockSpec((None, None, all_rows), lambda j, bi, hi: (bi, hi, 0)))
+  key_block = pl.BlockSpec((None, bk, None, width), lambda j, bi, hi: (bi, j, hi, 0))
+  dk, dv = pl.pallas_call(
+      functools.partial(attention_dkdv_kernel, st=st),
+      grid=(cdiv(s, bk), b, kv_heads),
+      in_specs=[_scalar_spec(), _scalar_spec(), whole_rows[0], key_block, key_block,
+                whole_rows[0], whole_rows[1], whole_rows[1]],
+      out_specs=(key_block, key_block),
+      out_shape=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      compiler_params=params, interpret=interpret, name="jdet_attention_dkdv",
+  )(*scalars, qp, k, v, dop, lse, delta)
+  kv_len = cdiv(s, bk) * bk
+  dqp = pl.pallas_call(
+      functools.partial(attention_dq_kernel, st=st),
+      grid=(row_blocks, b, kv_heads),
+      in_specs=[_scalar_spec(), _scalar_spec(), _rows_spec(bq, width), _kv_spec(kv_len, width),
+                _kv_spec(kv_len, width), _rows_spec(bq, width), _rows_spec(bq), _rows_spec(bq)],
+      out_specs=_rows_spec(bq, width),
+      out_shape=jax.ShapeDtypeStruct(qp.shape, q.dtype),
+      compiler_params=params, interpret=interpret, name="jdet_attention_dq",
+  )(*scalars, qp, k, v, dop, lse, delta)
+  return unpack_rows(dqp, t), dk, dv

@@ -1,0 +1,471 @@
+"""Batch-invariant row kernels: softmax, log_softmax, logsumexp and streamed token log-probs.
+
+Numerics contract (what makes a row's bits independent of the batch): a row of
+length L is read in sub-chunks of ``block_cols`` = W columns aligned at
+multiples of W from column 0, in increasing order, each a [block_rows, W]
+float32 block (columns past L read as -inf). One function,
+:func:`online_update`, folds a sub-chunk into the row's running state
+(m = max so far, s = sum of exp(x - m)):
+
+    m' = max(m, max_j x_j);  c = m' (0 where m' = -inf)
+    s' = s * exp(m - c) + sum_j exp(x_j - c)       (one fused multiply-add on the GPU)
+
+``block_rows``, W and the warps are a pure function of L (:func:`softmax_tiles`),
+never of the row count, so a row meets the same blocks, the same reduction trees
+and the same op sequence in every batch. Rows past the array's end are masked
+on load and store; a NaN stays in its own row.
+
+The streamed token kernels (:func:`token_chunk_update`) fold the columns
+[c0, c0 + C) of a row (C a multiple of W, c0 a multiple of C) into a state that
+travels through HBM in float32 between launches. They load the same
+[block_rows, W] float32 blocks, with the same warps, as :func:`row_forward` on
+the whole row, and call the same :func:`online_update`, so running a row's
+chunks one launch after another gives the state that one launch over the whole
+row gives, bit for bit (the state is stored exactly; it restarts a launch where
+the previous one stopped). Triton picks a block's register layout, and with it
+the order of ``jnp.sum``'s tree, from the block shape, the warps and what it can
+prove about the alignment of the addresses and masks: so the launchers pad a
+row's storage to a multiple of 16 bytes (every row starts 16-byte aligned), only
+the last sub-chunk of a row or chunk carries a column mask, and a chunk's
+length is congruent to the row's modulo every power of two below W.
+
+Kernels:
+  * :func:`row_forward_kernel` - the state, and softmax / log_softmax / logsumexp.
+  * :func:`row_backward_kernel` - their VJPs from the input and the saved state.
+  * :func:`token_chunk_update_kernel` - folds logits * (1 / temperature) of one
+    vocab chunk into (m, s, picked token logit).
+  * :func:`token_finalize_kernel` - picked - m - log(s): log_softmax's formula.
+  * :func:`token_chunk_backward_kernel` - dlogits = g (onehot - p) / temperature.
+
+1 / s is correctly rounded (:func:`pallas_kernels._common.divide`); exp and log
+are libdevice's ``expf``/``logf`` on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from pallas_kernels._common import (block_mask, cdiv, compiler_params, divide, multiply,
+                                    multiply_add, pad_axis, store_block)
+
+SOFTMAX, LOG_SOFTMAX, LOGSUMEXP = "softmax", "log_softmax", "logsumexp"
+KINDS = (SOFTMAX, LOG_SOFTMAX, LOGSUMEXP)
+
+# Rows are stored padded to a multiple of this many bytes (see the module docstring).
+ROW_ALIGN_BYTES = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class SoftmaxTiles:
+  """Rows per program, sub-chunk width W (both powers of two) and Triton warps."""
+  block_rows: int
+  block_cols: int
+  num_warps: int
+
+
+# GPU rule (not measured yet; chosen for a memory-bound kernel on the H100): a row
+# of up to GPU_ONE_BLOCK columns is one sub-chunk, read once and kept in registers
+# (at most 32 float32 a thread); longer rows stream GPU_LONG_ROW_COLS-wide
+# sub-chunks twice (state, then output), the second pass mostly from L2. Short
+# rows share a program, GPU_MIN_BLOCK elements a block.
+GPU_ONE_BLOCK = 8192
+GPU_LONG_ROW_COLS = 4096
+GPU_MIN_BLOCK = 2048
+MIN_COLS = 16
+
+# Interpret mode (CPU): narrow sub-chunks, so that short test rows already take
+# the multi-sub-chunk and multi-chunk paths.
+INTERPRET_MAX_COLS = 128
+INTERPRET_BLOCK_ROWS = 8
+
+# A token_logprobs vocab chunk is this many sub-chunks (GPU: 8192 columns).
+CHUNK_SUB_CHUNKS = 2
+
+# The token finalize kernel is elementwise: any block gives the same bits.
+FINALIZE_TILES = SoftmaxTiles(128, 1, 4)
+
+
+def softmax_tiles(length: int, *, interpret: bool) -> SoftmaxTiles:
+  """Tiles for rows of ``length`` columns (any input dtype: blocks are float32
+  after the load); never a function of the row count."""
+  width = pl.next_power_of_2(max(length, MIN_COLS))
+  if interpret:
+    return SoftmaxTiles(INTERPRET_BLOCK_ROWS, min(width, INTERPRET_MAX_COLS), 4)
+  if length > GPU_ONE_BLOCK:
+    width = GPU_LONG_ROW_COLS
+  return SoftmaxTiles(max(1, GPU_MIN_BLOCK // width), width, 8 if width >= 8192 else 4)
+
+
+def token_chunk_cols(vocab: int, *, interpret: bool) -> int:
+  """Vocab columns per token_logprobs chunk: CHUNK_SUB_CHUNKS sub-chunks of the
+  tiles of a ``vocab``-long row (a vocab of at most one such chunk is one chunk)."""
+  return CHUNK_SUB_CHUNKS * softmax_tiles(vocab, interpret=interpret).block_cols
+
+
+# ---------------------------------------------------------------------------
+# Row state and the per-sub-chunk update. State arrays are [block_rows, 1].
+
+
+def _shift(m):
+  """The max to subtract: 0 where it is -inf (all -inf so far: exp gives 0, not NaN)."""
+  return jnp.where(m == -jnp.inf, 0.0, m)
+
+
+def online_update(m, s, x, *, native: bool):
+  """Folds the float32 [block_rows, W] block ``x`` into the state (m, s)."""
+  m_new = jnp.maximum(m, jnp.max(x, axis=1, keepdims=True))
+  shift = _shift(m_new)
+  partial = jnp.sum(jnp.exp(x - shift), axis=1, keepdims=True)
+  return m_new, multiply_add(s, jnp.exp(m - shift), partial, fused=native)
+
+
+def _log_softmax_values(x, m, log_s):
+  """log_softmax from the final state; shared by the row kernel and the token
+  finalize kernel, so both round alike. m = -inf (all -inf) gives NaN, as in jax.nn."""
+  return (x - m) - log_s
+
+
+def _logsumexp_values(m, s):
+  """shift + log(s); +inf when the row holds +inf (s is NaN then), as in jax.nn."""
+  return jnp.where(m == jnp.inf, jnp.inf, _shift(m) + jnp.log(s))
+
+
+def _initial_state(block_rows: int):
+  return (jnp.full((block_rows, 1), -jnp.inf, jnp.float32),
+          jnp.zeros((block_rows, 1), jnp.float32))
+
+
+# ---------------------------------------------------------------------------
+# Sub-chunk access. A kernel's row ref is a [block_rows, n * W] block; sub-chunk
+# j covers columns j*W .. j*W + W - 1.
+
+
+def _valid_rows(block_rows: int, rows: int):
+  return block_mask(pl.program_id(0) * block_rows, block_rows, rows) if rows % block_rows else None
+
+
+def _mask(valid, cols):
+  if valid is None:
+    return None if cols is None else cols[None, :]
+  return valid[:, None] if cols is None else valid[:, None] & cols[None, :]
+
+
+def _load(ref, valid, cols=None, *, fill=0):
+  """Loads a block as float32, ``fill`` where the row/column masks are False."""
+  mask = _mask(valid, cols)
+  x = ref[...] if mask is None else pltriton.load(ref, mask=mask, other=fill)
+  return x.astype(jnp.float32)
+
+
+def _load_tokens(ref, valid):
+  return ref[...] if valid is None else pltriton.load(ref, mask=valid[:, None], other=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Row:
+  """Where a program's sub-chunks lie: ``length`` real columns of width-W sub-chunks."""
+  length: int
+  width: int
+
+  @property
+  def count(self) -> int:
+    return cdiv(self.length, self.width)
+
+  def columns(self, start, last: bool):
+    """The last sub-chunk's column mask when the row ends inside it, else None."""
+    return block_mask(start, self.width, self.length) if last and self.length % self.width else None
+
+  def load(self, ref, start, valid, *, last: bool, fill):
+    return _load(ref.at[:, pl.ds(start, self.width)], valid, self.columns(start, last), fill=fill)
+
+  def store(self, ref, start, value, valid, *, last: bool):
+    store_block(ref.at[:, pl.ds(start, self.width)], value.astype(ref.dtype),
+                rows=valid, cols=self.columns(start, last))
+
+  def sweep(self, load, body, carry):
+    """carry = body(block, start, carry) for each sub-chunk in increasing order: a
+    loop over all but the last, then the last (the only masked one) peeled.
+    Returns (carry, the last sub-chunk's block)."""
+    def step(j, carry):
+      start = pl.multiple_of(j * self.width, self.width)
+      return body(load(start, last=False), start, carry)
+
+    if self.count > 1:
+      carry = lax.fori_loop(0, self.count - 1, step, carry)
+    start = (self.count - 1) * self.width
+    block = load(start, last=True)
+    return body(block, start, carry), block
+
+  def emit(self, load, emit, last_block=None):
+    """emit(block, start, last) for each sub-chunk in increasing order; the last
+    one's block is ``last_block`` when given (still in registers from a sweep)."""
+    def step(j, carry):
+      start = pl.multiple_of(j * self.width, self.width)
+      emit(load(start, last=False), start, False)
+      return carry
+
+    if self.count > 1:
+      lax.fori_loop(0, self.count - 1, step, 0)
+    start = (self.count - 1) * self.width
+    emit(load(start, last=True) if last_block is None else last_block, start, True)
+
+
+# ---------------------------------------------------------------------------
+# Kernels.
+
+
+def row_forward_kernel(x_ref, y_ref, m_ref, s_ref, *, kind: str, rows: int, row: _Row,
+                       native: bool):
+  """x_ref: [block_rows, n*W] (any float dtype); y_ref: the same block (softmax,
+  log_softmax) or [block_rows, 1] (logsumexp); m_ref, s_ref: [block_rows, 1] float32."""
+  valid = _valid_rows(x_ref.shape[0], rows)
+  load = lambda start, last: row.load(x_ref, start, valid, last=last, fill=-jnp.inf)
+  (m, s), last_block = row.sweep(
+      load, lambda x, _, state: online_update(*state, x, native=native),
+      _initial_state(x_ref.shape[0]))
+  store_block(m_ref, m, rows=valid)
+  store_block(s_ref, s, rows=valid)
+  if kind == LOGSUMEXP:
+    store_block(y_ref, _logsumexp_values(m, s).astype(y_ref.dtype), rows=valid)
+    return
+  if kind == SOFTMAX:
+    inv_s = divide(1.0, s, native=native)
+    finish = lambda x: jnp.exp(x - m) * inv_s
+  else:
+    log_s = jnp.log(s)
+    finish = lambda x: _log_softmax_values(x, m, log_s)
+  row.emit(load, lambda x, start, last: row.store(y_ref, start, finish(x), valid, last=last),
+           last_block)
+
+
+def row_backward_kernel(x_ref, m_ref, s_ref, g_ref, dx_ref, *, kind: str, rows: int, row: _Row,
+                        native: bool):
+  """VJP from the input x, the saved state and the output cotangent g.
+
+  softmax: dx = y (g - sum(g y)); log_softmax: dx = g - p sum(g); logsumexp:
+  dx = g p (g_ref [block_rows, 1]); p = y = exp(x - m) / s. Row sums run over
+  the sub-chunks in increasing order.
+  """
+  valid = _valid_rows(x_ref.shape[0], rows)
+  m, s = _load(m_ref, valid), _load(s_ref, valid)
+  inv_s = divide(1.0, s, native=native)
+  probs = lambda x: jnp.exp(x - m) * inv_s
+  load_x = lambda start, last: row.load(x_ref, start, valid, last=last, fill=-jnp.inf)
+  store = lambda start, dx, last: row.store(dx_ref, start, dx, valid, last=last)
+  if kind == LOGSUMEXP:
+    g = _load(g_ref, valid)
+    row.emit(load_x, lambda x, start, last: store(start, g * probs(x), last))
+    return
+
+  def load(start, last):
+    return (load_x(start, last),
+            row.load(g_ref, start, valid, last=last, fill=0))
+
+  if kind == SOFTMAX:
+    term = lambda x, g: g * probs(x)
+    grad = lambda x, g, total: probs(x) * (g - total)
+  else:
+    term = lambda x, g: g
+    grad = lambda x, g, total: multiply_add(-probs(x), total, g, fused=native)
+  total, last_block = row.sweep(
+      load, lambda xg, _, total: total + jnp.sum(term(*xg), axis=1, keepdims=True),
+      jnp.zeros((x_ref.shape[0], 1), jnp.float32))
+  row.emit(load, lambda xg, start, last: store(start, grad(*xg, total), last), last_block)
+
+
+def _scaled(x, inv_temperature: float, native: bool):
+  """x * inv_temperature (1.0: x itself). On the GPU one ``mul.rn.f32``, which
+  ptxas never contracts with the subtraction that follows into a fused
+  multiply-add, so the product is rounded on its own as XLA's multiply is."""
+  if inv_temperature == 1.0:
+    return x
+  return multiply(x, inv_temperature) if native else x * inv_temperature
+
+
+def token_chunk_update_kernel(x_ref, tok_ref, m_ref, s_ref, p_ref, m_out, s_out, p_out, *,
+                              rows: int, row: _Row, inv_temperature: float, native: bool):
+  """Folds one vocab chunk into each row's (m, s, picked logit).
+
+  x_ref: [block_rows, n*W] float32 logits of the chunk, multiplied in-kernel by
+  ``inv_temperature`` (a float32 value; 1.0 skips it; see :func:`token_chunk_update`);
+  tok_ref: [block_rows, 1] int32 token ids relative to the chunk's first column;
+  m, s, p refs: [block_rows, 1] float32 state in and out (aliased). The picked
+  logit is the max of -inf and the token's logit / temperature (exact).
+  """
+  valid = _valid_rows(x_ref.shape[0], rows)
+  token = _load_tokens(tok_ref, valid)
+  cols = lax.broadcasted_iota(jnp.int32, (1, row.width), 1)
+
+  def body(x, start, state):
+    m, s, picked = state
+    x = _scaled(x, inv_temperature, native)
+    m, s = online_update(m, s, x, native=native)
+    hit = jnp.where(start + cols == token, x, -jnp.inf)
+    return m, s, jnp.maximum(picked, jnp.max(hit, axis=1, keepdims=True))
+
+  state = (_load(m_ref, valid), _load(s_ref, valid), _load(p_ref, valid))
+  state, _ = row.sweep(
+      lambda start, last: row.load(x_ref, start, valid, last=last, fill=-jnp.inf), body, state)
+  for ref, value in zip((m_out, s_out, p_out), state):
+    store_block(ref, value, rows=valid)
+
+
+def token_finalize_kernel(m_ref, s_ref, p_ref, o_ref, *, rows: int):
+  """log-prob = picked - m - log(s), rounded as :func:`row_forward_kernel`'s log_softmax."""
+  valid = _valid_rows(m_ref.shape[0], rows)
+  m, s, picked = _load(m_ref, valid), _load(s_ref, valid), _load(p_ref, valid)
+  store_block(o_ref, _log_softmax_values(picked, m, jnp.log(s)), rows=valid)
+
+
+def token_chunk_backward_kernel(x_ref, tok_ref, m_ref, s_ref, g_ref, dl_ref, *, rows: int,
+                                row: _Row, inv_temperature: float, native: bool):
+  """dlogits of one chunk: (onehot(token) - p) * g / τ, p = exp(x / τ - m) / s.
+
+  x_ref: [block_rows, n*W] float32 logits before the temperature; tok_ref, m, s,
+  g refs: [block_rows, 1]; dl_ref: like x_ref, in the GEMM's compute dtype.
+  """
+  valid = _valid_rows(x_ref.shape[0], rows)
+  token = _load_tokens(tok_ref, valid)
+  m, s, g = _load(m_ref, valid), _load(s_ref, valid), _load(g_ref, valid)
+  inv_s = divide(1.0, s, native=native)
+  scale = _scaled(g, inv_temperature, native)
+  cols = lax.broadcasted_iota(jnp.int32, (1, row.width), 1)
+
+  def emit(x, start, last):
+    p = jnp.exp(_scaled(x, inv_temperature, native) - m) * inv_s
+    onehot = jnp.where(start + cols == token, 1.0, 0.0)
+    row.store(dl_ref, start, (onehot - p) * scale, valid, last=last)
+
+  row.emit(lambda start, last: row.load(x_ref, start, valid, last=last, fill=-jnp.inf), emit)
+
+
+# ---------------------------------------------------------------------------
+# Launchers: natural (unpadded) inputs; rows are stored padded to ROW_ALIGN_BYTES.
+
+
+def _aligned(x):
+  return pad_axis(x, 1, ROW_ALIGN_BYTES // x.dtype.itemsize)
+
+
+def _call(kernel, inputs, outputs, *, tiles: SoftmaxTiles, wide, interpret: bool, name: str,
+          row: _Row | None = None, aliases=None):
+  """Launches ``kernel`` over row blocks; ``wide`` says which inputs/outputs are
+  [rows, n*W] row blocks of ``row`` (the rest are [rows, 1] per-row values)."""
+  rows = inputs[0].shape[0]
+  block_rows = tiles.block_rows
+  value_spec = pl.BlockSpec((block_rows, 1), lambda i: (i, 0))
+  kernel = functools.partial(kernel, rows=rows)
+  if row is not None:
+    kernel = functools.partial(kernel, row=row)
+    row_spec = pl.BlockSpec((block_rows, row.count * row.width), lambda i: (i, 0))
+  specs = [row_spec if w else value_spec for w in wide]
+  out_specs = specs[len(inputs):] if isinstance(outputs, list) else specs[-1]
+  return pl.pallas_call(
+      kernel,
+      grid=(cdiv(rows, block_rows),),
+      in_specs=specs[:len(inputs)],
+      out_specs=out_specs,
+      out_shape=outputs,
+      input_output_aliases=aliases or {},
+      compiler_params=compiler_params(tiles.num_warps, 1),
+      interpret=interpret,
+      name=name,
+  )(*inputs)
+
+
+def _column(v):
+  return v.reshape(-1, 1)
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "tiles", "interpret"))
+def row_forward(x, *, kind: str, tiles: SoftmaxTiles, interpret: bool):
+  """x: [rows, L] bfloat16/float16/float32. Returns (y, m, s): y is [rows, L]
+  (softmax, log_softmax) or [rows] (logsumexp) in x's dtype; m, s: [rows] float32."""
+  rows, length = x.shape
+  xp = _aligned(x)
+  f32 = lambda: jax.ShapeDtypeStruct((rows, 1), jnp.float32)
+  y_shape = (rows, 1) if kind == LOGSUMEXP else xp.shape
+  y, m, s = _call(
+      functools.partial(row_forward_kernel, kind=kind, native=not interpret), [xp],
+      [jax.ShapeDtypeStruct(y_shape, x.dtype), f32(), f32()],
+      row=_Row(length, tiles.block_cols), tiles=tiles, wide=(True, kind != LOGSUMEXP, False, False),
+      interpret=interpret, name=f"jdet_{kind}")
+  y = y[:, 0] if kind == LOGSUMEXP else y[:, :length]
+  return y, m[:, 0], s[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("kind", "tiles", "interpret"))
+def row_backward(x, m, s, g, *, kind: str, tiles: SoftmaxTiles, interpret: bool):
+  """x: [rows, L]; m, s: [rows] float32 (from :func:`row_forward`); g: the
+  cotangent of y ([rows, L], or [rows] for logsumexp). Returns dx [rows, L] in x's dtype."""
+  rows, length = x.shape
+  xp = _aligned(x)
+  g = _column(g) if kind == LOGSUMEXP else _aligned(g.astype(x.dtype))
+  dx = _call(
+      functools.partial(row_backward_kernel, kind=kind, native=not interpret),
+      [xp, _column(m), _column(s), g], jax.ShapeDtypeStruct(xp.shape, x.dtype),
+      row=_Row(length, tiles.block_cols), tiles=tiles,
+      wide=(True, False, False, kind != LOGSUMEXP, True), interpret=interpret,
+      name=f"jdet_{kind}_bwd")
+  return dx[:, :length]
+
+
+@functools.partial(jax.jit, static_argnames=("inv_temperature", "tiles", "interpret"))
+def token_chunk_update(logits, tokens, m, s, picked, *, inv_temperature: float,
+                       tiles: SoftmaxTiles, interpret: bool):
+  """logits: [T, c] float32 (one vocab chunk, before the temperature); tokens: [T]
+  int32 relative to the chunk; m, s, picked: [T] float32 state; ``inv_temperature``
+  a float32 value the logits are multiplied by. Returns the new state.
+
+  The product is rounded on its own, as XLA's ``logits / temperature`` is (XLA
+  rewrites a division by a scalar into a multiplication by its float32
+  reciprocal): in-kernel on the GPU (:func:`_scaled`); in interpret mode by XLA
+  before the launch, since XLA:CPU may fuse an in-kernel product with the
+  subtraction after it into one FMA.
+  """
+  rows, length = logits.shape
+  if interpret and inv_temperature != 1.0:
+    logits, inv_temperature = logits * jnp.float32(inv_temperature), 1.0
+  state = [jax.ShapeDtypeStruct((rows, 1), jnp.float32)] * 3
+  out = _call(
+      functools.partial(token_chunk_update_kernel, inv_temperature=inv_temperature,
+                        native=not interpret),
+      [_aligned(logits), _column(tokens), _column(m), _column(s), _column(picked)], state,
+      row=_Row(length, tiles.block_cols), tiles=tiles, wide=(True,) + (False,) * 7,
+      interpret=interpret, name="jdet_token_chunk_update", aliases={2: 0, 3: 1, 4: 2})
+  return tuple(v[:, 0] for v in out)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def token_finalize(m, s, picked, *, interpret: bool):
+  """m, s, picked: [T] float32 state after the last chunk; returns the [T] float32 log-probs."""
+  rows = m.shape[0]
+  out = _call(token_finalize_kernel, [_column(m), _column(s), _column(picked)],
+              jax.ShapeDtypeStruct((rows, 1), jnp.float32), tiles=FINALIZE_TILES,
+              wide=(False,) * 4, interpret=interpret, name="jdet_token_finalize")
+  return out[:, 0]
+
+
+@functools.partial(jax.jit, static_argnames=("inv_temperature", "out_dtype", "tiles", "interpret"))
+def token_chunk_backward(logits, tokens, m, s, g, *, inv_temperature: float, out_dtype,
+                         tiles: SoftmaxTiles, interpret: bool):
+  """logits: [T, c] float32 (before the temperature); tokens: [T] int32 relative
+  to the chunk; m, s: [T] state after the last chunk; g: [T] float32 cotangent of
+  the log-probs. Returns dlogits [T, c] in ``out_dtype``."""
+  rows, length = logits.shape
+  xp = _aligned(logits)
+  dl = _call(
+      functools.partial(token_chunk_backward_kernel, inv_temperature=inv_temperature,
+                        native=not interpret),
+      [xp, _column(tokens), _column(m), _column(s), _column(g)],
+      jax.ShapeDtypeStruct(xp.shape, out_dtype), row=_Row(length, tiles.block_cols),
+      tiles=tiles, wide=(True, False, False, False, False, True), interpret=interpret,
+      name="jdet_token_chunk_bwd")
+  return dl[:, :length]

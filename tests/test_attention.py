@@ -1,0 +1,333 @@
+"""jdet.dot_product_attention: prefill == chunked prefill == decode bitwise, batch
+and padding invariance, accuracy, gradients, errors, and the cuda lowering.
+
+On CPU the kernels run in interpret mode with the interpret tiles (16 query rows,
+8-key blocks, 16-key chunks), so the tiny shapes below run several row tiles,
+key blocks and chunks; the ``gpu`` test repeats the core property at H = 128.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jdet
+from jdet.testing import assert_bitwise_equal, relative_error
+from pallas_kernels import attention as kernels
+from jdet.bench import on_gpu
+
+B, S, N, K, H = 3, 24, 4, 2, 16  # GQA: two query heads per kv head
+LENGTHS = (21, 13, 24)  # valid keys (= tokens) of each sequence of the cache
+CHUNKS = (1, 3, 5)  # chunked prefill cycles through these sizes
+TOLERANCE = {jnp.float32: 2e-6, jnp.bfloat16: 2e-2}
+
+
+def _normal(rng, shape, dtype):
+  return jnp.asarray(rng.standard_normal(shape), jnp.float32).astype(dtype)
+
+
+def _cache(seed, dtype, *, batch=B, seq=S, q_heads=N, kv_heads=K, head_dim=H, garbage=np.nan):
+  """Queries [B, seq, N, H] and a KV cache [B, seq, K, H] holding LENGTHS[b]
+  valid tokens per sequence, ``garbage`` past them."""
+  rng = np.random.default_rng(seed)
+  q = _normal(rng, (batch, seq, q_heads, head_dim), dtype)
+  k = _normal(rng, (batch, seq, kv_heads, head_dim), dtype)
+  v = _normal(rng, (batch, seq, kv_heads, head_dim), dtype)
+  valid = np.arange(seq)[None, :, None, None] < np.array(LENGTHS[:batch])[:, None, None, None]
+  k, v = (jnp.where(valid, x, jnp.asarray(garbage, dtype)) for x in (k, v))
+  return q, k, v, jnp.array(LENGTHS[:batch], jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("causal",))
+def attend(q, k, v, lengths, offsets, causal=True):
+  return jdet.dot_product_attention(q, k, v, is_causal=causal, key_value_seq_lengths=lengths,
+                                    query_offsets=offsets)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "split"))
+def attend_path(q, k, v, lengths, offsets, causal=True, split=False):
+  """The kernels' forward with the prefill or the split-KV path forced; like
+  ``attend``, natively on the GPU and in interpret mode on CPU."""
+  interpret = not on_gpu()
+  tiles = kernels.attention_tiles(q.shape[-1], q.dtype, interpret=interpret)
+  return kernels.attention_forward(q, k, v, lengths, offsets, scale=1 / np.sqrt(q.shape[-1]),
+                                   causal=causal, tiles=tiles, interpret=interpret,
+                                   split=split)[0]
+
+
+def _zeros(batch=B):
+  return jnp.zeros((batch,), jnp.int32)
+
+
+def _decode(q, k, v, lengths, path=attend):
+  """One query at a time against the growing cache: [B, S, N, H] (rows past a
+  sequence's length are left zero)."""
+  out = np.zeros(q.shape, q.dtype)
+  for t in range(max(LENGTHS)):
+    step = path(q[:, t:t + 1], k, v, jnp.minimum(lengths, t + 1), jnp.full((B,), t, jnp.int32))
+    out[:, t] = np.asarray(step)[:, 0]
+  return out
+
+
+def _chunked(q, k, v, lengths):
+  """Chunked prefill with chunk sizes cycling through CHUNKS."""
+  qp = jnp.pad(q, ((0, 0), (0, max(CHUNKS)), (0, 0), (0, 0)))
+  out, start, i = np.zeros(q.shape, q.dtype), 0, 0
+  while start < q.shape[1]:
+    size = CHUNKS[i % len(CHUNKS)]
+    got = attend(qp[:, start:start + size], k, v, jnp.minimum(lengths, start + size),
+                 jnp.full((B,), start, jnp.int32))
+    take = min(size, q.shape[1] - start)
+    out[:, start:start + take] = np.asarray(got)[:, :take]
+    start, i = start + size, i + 1
+  return out
+
+
+def _valid_rows(x, lengths=LENGTHS):
+  return [np.asarray(x)[b, :lengths[b]] for b in range(len(lengths))]
+
+
+@pytest.fixture(scope="module")
+def cache():
+  return _cache(0, jnp.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def prefill(cache):
+  q, k, v, lengths = cache
+  return attend(q, k, v, lengths, _zeros())
+
+
+def test_prefill_equals_decode_and_chunked_prefill(cache, prefill):
+  q, k, v, lengths = cache
+  want = _valid_rows(prefill)
+  assert_bitwise_equal(_valid_rows(_decode(q, k, v, lengths)), want, what="decode (split)")
+  assert_bitwise_equal(_valid_rows(_chunked(q, k, v, lengths)), want, what="chunked prefill")
+
+
+def test_split_and_prefill_paths_agree(cache, prefill):
+  q, k, v, lengths = cache
+  want = _valid_rows(prefill)  # the prefill path (on CPU T = 24 fills 3 row tiles)
+  got = attend_path(q, k, v, lengths, _zeros(), split=True)
+  assert_bitwise_equal(_valid_rows(got), want, what="whole prompt, split path")
+  decoded = _decode(q, k, v, lengths, functools.partial(attend_path, split=False))
+  assert_bitwise_equal(_valid_rows(decoded), want, what="decode, prefill path")
+
+
+def test_batch_position_and_padding_invariance(cache, prefill):
+  q, k, v, lengths = cache
+  for b in range(B):
+    alone = attend(q[b:b + 1], k[b:b + 1], v[b:b + 1], lengths[b:b + 1], _zeros(1))
+    assert_bitwise_equal(alone[0, :LENGTHS[b]], np.asarray(prefill)[b, :LENGTHS[b]],
+                         what=f"sequence {b} alone")
+  order = np.array([2, 0, 1])
+  shuffled = attend(q[order], k[order], v[order], lengths[order], _zeros())
+  assert_bitwise_equal(_valid_rows(shuffled, [LENGTHS[i] for i in order]),
+                       [_valid_rows(prefill)[i] for i in order], what="batch order")
+  # A longer cache, with other garbage (inf) past the valid keys.
+  pad = ((0, 0), (0, 13), (0, 0), (0, 0))
+  longer = attend(q, jnp.pad(k, pad, constant_values=jnp.inf),
+                  jnp.pad(v, pad, constant_values=-jnp.inf), lengths, _zeros())
+  assert_bitwise_equal(_valid_rows(longer), _valid_rows(prefill), what="S = 37")
+
+
+def test_non_causal_rows_are_independent(cache):
+  q, k, v, lengths = cache
+  whole = attend(q, k, v, lengths, _zeros(), causal=False)
+  for start, size in ((0, 1), (7, 1), (23, 1)):
+    part = attend(q[:, start:start + size], k, v, lengths, _zeros(), causal=False)
+    assert_bitwise_equal(part, whole[:, start:start + size], what=f"queries {start}+{size}")
+
+
+def test_mqa_prefill_equals_decode():
+  q, k, v, lengths = _cache(3, jnp.bfloat16, kv_heads=1)
+  want = _valid_rows(attend(q, k, v, lengths, _zeros()))
+  assert_bitwise_equal(_valid_rows(_decode(q, k, v, lengths)), want, what="MQA decode")
+
+
+def test_nan_stays_in_its_sequence(cache, prefill):
+  q, k, v, lengths = cache
+  poisoned = attend(q, k, v.at[1, 2].set(jnp.nan), lengths, _zeros())
+  assert np.isnan(np.asarray(poisoned[1, 2:LENGTHS[1]], np.float32)).all()
+  for b in (0, 2):
+    assert_bitwise_equal(poisoned[b], prefill[b], what=f"sequence {b} next to a NaN")
+
+
+def test_rows_without_keys_are_zero(cache):
+  q, k, v, _ = cache
+  out = attend(q, k, v, jnp.array([0, 5, 24]), jnp.array([0, -3, 0]))
+  out = np.asarray(out, np.float32)
+  assert not np.any(out[0]) and not np.any(out[1, :3])  # length 0; causal before key 0
+  assert np.all(np.any(out[1, 3:], axis=-1)) and np.all(np.any(out[2], axis=-1))
+
+
+def test_deterministic(cache, prefill):
+  q, k, v, lengths = cache
+  assert_bitwise_equal(attend(q, k, v, lengths, _zeros()), prefill, what="second run")
+
+
+def _float64_attention(q, k, v, lengths, offsets, causal, scale):
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  b, t, n, h = q.shape
+  g = n // k.shape[2]
+  logits = np.einsum("btnh,bsnh->bnts", q, np.repeat(k, g, axis=2)) * scale
+  key_pos = np.arange(k.shape[1])
+  mask = key_pos[None, None, :] < np.asarray(lengths)[:, None, None]
+  if causal:
+    query_pos = np.asarray(offsets)[:, None] + np.arange(t)
+    mask = mask & (key_pos[None, None, :] <= query_pos[..., None])
+  logits = np.where(mask[:, None], logits, -np.inf)
+  shift = np.max(logits, axis=-1, keepdims=True)
+  e = np.exp(logits - np.where(np.isfinite(shift), shift, 0))
+  total = e.sum(-1, keepdims=True)
+  return np.einsum("bnts,bsnh->btnh", e / np.where(total > 0, total, 1), np.repeat(v, g, axis=2))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_accuracy_vs_float64_and_jax_nn(dtype, causal):
+  q, k, v, lengths = _cache(5, dtype, garbage=0.0)
+  offsets = jnp.array([0, 4, 0], jnp.int32)
+  got = np.asarray(jnp.asarray(attend(q, k, v, lengths, offsets, causal=causal), jnp.float32))
+  want = _float64_attention(q, k, v, lengths, offsets, causal, 1 / np.sqrt(H))
+  assert relative_error(got, want) < TOLERANCE[dtype]
+  ref = jdet.dot_product_attention_reference(q, k, v, is_causal=causal,
+                                             key_value_seq_lengths=lengths, query_offsets=offsets)
+  assert relative_error(jnp.asarray(ref, jnp.float32), want) < TOLERANCE[dtype]
+  if not causal:  # jax.nn has no query offsets; every row here has valid keys
+    with jax.default_matmul_precision("highest"):  # XLA:GPU's default float32 dot is TF32
+      nn = jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                        implementation="xla")
+    assert relative_error(got, jnp.asarray(nn, jnp.float32)) < 2 * TOLERANCE[dtype]
+
+
+def _loss(fn, q, k, v, lengths, offsets, weight):
+  out = fn(q, k, v, is_causal=True, key_value_seq_lengths=lengths, query_offsets=offsets)
+  return jnp.sum(out.astype(jnp.float32) * weight)
+
+
+grads = jax.jit(jax.grad(functools.partial(_loss, jdet.dot_product_attention), argnums=(0, 1, 2)))
+
+
+@pytest.fixture(scope="module")
+def grad_case():
+  q, k, v, lengths = _cache(7, jnp.float32, garbage=0.0)
+  weight = _normal(np.random.default_rng(8), q.shape, jnp.float32)
+  return q, k, v, lengths, jnp.array([0, 2, 0], jnp.int32), weight
+
+
+def test_gradients_match_reference(grad_case):
+  got = grads(*grad_case)
+  want = jax.grad(functools.partial(_loss, jdet.dot_product_attention_reference),
+                  argnums=(0, 1, 2))(*grad_case)
+  for name, g, w in zip("qkv", got, want):
+    assert relative_error(g, w) < 1e-5, name
+  lengths = np.asarray(grad_case[3])
+  for b in range(B):  # keys past the valid length get exact zeros
+    assert not np.any(np.asarray(got[1])[b, lengths[b]:])
+    assert not np.any(np.asarray(got[2])[b, lengths[b]:])
+
+
+def test_gradients_batch_invariant_and_deterministic(grad_case):
+  q, k, v, lengths, offsets, weight = grad_case
+  full = grads(*grad_case)
+  assert_bitwise_equal(grads(*grad_case), full, what="second run")
+  one = lambda x, b: x[b:b + 1]
+  b = 1
+  alone = grads(*(one(x, b) for x in grad_case))
+  assert_bitwise_equal([g[0] for g in alone], [g[b] for g in full], what="sequence 1 alone")
+  # Appending queries whose cotangent is zero leaves dk/dv and the others' dq unchanged.
+  extra = ((0, 0), (0, 9), (0, 0), (0, 0))
+  longer = grads(jnp.pad(q, extra, constant_values=1.0), k, v, lengths, offsets,
+                 jnp.pad(weight, extra))
+  assert_bitwise_equal(longer[1:], full[1:], what="dk, dv with zero-cotangent queries")
+  assert_bitwise_equal(longer[0][:, :S], full[0], what="dq with appended queries")
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(query=np.zeros((2, 3, 4, 16))), TypeError, "query must be bfloat16"),
+    (dict(query=np.zeros((3, 4, 16), np.float32)), ValueError, "query must have shape"),
+    (dict(key=np.zeros((2, 5, 3, 16), np.float32), value=np.zeros((2, 5, 3, 16), np.float32)),
+     ValueError, "multiple of key's head"),
+    (dict(value=np.zeros((2, 6, 2, 16), np.float32)), ValueError, "value must have key's"),
+    (dict(key=np.zeros((2, 5, 2, 16), jnp.bfloat16)), TypeError, "key must have query's"),
+    (dict(query=np.zeros((2, 3, 4, 24), np.float32), key=np.zeros((2, 5, 2, 24), np.float32),
+          value=np.zeros((2, 5, 2, 24), np.float32)), ValueError, "head dimension"),
+    (dict(key_value_seq_lengths=np.zeros((3,), np.int32)), ValueError, "key_value_seq_lengths"),
+    (dict(key_value_seq_lengths=np.zeros((2,), np.float32)), TypeError, "key_value_seq_lengths"),
+    (dict(query_offsets=np.zeros((2, 1), np.int32)), ValueError, "query_offsets"),
+    (dict(scale="1"), TypeError, "scale"),
+    (dict(scale=float("nan")), ValueError, "scale"),
+    (dict(is_causal=1), TypeError, "is_causal"),
+])
+def test_bad_input_raises(kwargs, error, match):
+  args = dict(query=np.zeros((2, 3, 4, 16), np.float32), key=np.zeros((2, 5, 2, 16), np.float32),
+              value=np.zeros((2, 5, 2, 16), np.float32))
+  args.update(kwargs)
+  with pytest.raises(error, match=match):
+    jdet.dot_product_attention(args.pop("query"), args.pop("key"), args.pop("value"), **args)
+
+
+def test_tile_rule_ignores_rows():
+  for dtype in (jnp.bfloat16, jnp.float16, jnp.float32):
+    for h in (16, 64, 80, 128, 256):
+      tiles = kernels.attention_tiles(h, dtype, interpret=False)
+      assert tiles.chunk_k % tiles.block_k == 0
+      assert min(tiles.block_q, tiles.block_k, tiles.bwd_block_q, tiles.bwd_block_k) >= 16
+
+
+def _cuda_lowering_available():
+  try:
+    jax.jit(lambda x: x).trace(jnp.zeros(1)).lower(lowering_platforms=("cuda",))
+    return True
+  except Exception:  # noqa: BLE001 - no CUDA plugin installed
+    return False
+
+
+@pytest.mark.skipif(on_gpu(), reason="the GPU tests compile the kernels for real")
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernels_lower_for_cuda(dtype, head_dim):
+  if not _cuda_lowering_available():
+    pytest.skip("jax's CUDA plugin is not installed")
+  sd = jax.ShapeDtypeStruct
+  q, kv = sd((2, 300, 8, head_dim), dtype), sd((2, 1000, 2, head_dim), dtype)
+  ints = sd((2,), jnp.int32)
+  tiles = kernels.attention_tiles(head_dim, dtype, interpret=False)
+  static = dict(scale=0.1, causal=True, tiles=tiles, interpret=False)
+  for split in (False, True):
+    fwd = functools.partial(kernels.attention_forward, split=split, **static)
+    jax.jit(fwd).trace(q, kv, kv, ints, ints).lower(lowering_platforms=("cuda",))
+  bwd = functools.partial(kernels.attention_backward, **static)
+  lse = sd((2, 2, 1200), jnp.float32)
+  jax.jit(bwd).trace(q, kv, kv, q, lse, q, ints, ints).lower(lowering_platforms=("cuda",))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_prefill_decode_chunked_split(dtype):
+  seq, batch = 1024, 2
+  rng = np.random.default_rng(11)
+  q = _normal(rng, (batch, seq, 32, 128), dtype)
+  k = _normal(rng, (batch, seq + 3000, 8, 128), dtype)
+  v = _normal(rng, (batch, seq + 3000, 8, 128), dtype)
+  lengths = jnp.full((batch,), seq, jnp.int32)
+  whole = np.asarray(attend(q, k, v, lengths, _zeros(batch)))
+  ref = jdet.dot_product_attention_reference(q, k[:, :seq], v[:, :seq], is_causal=True)
+  assert relative_error(jnp.asarray(whole, jnp.float32), jnp.asarray(ref, jnp.float32)) < 2e-2
+  for split in (False, True):
+    for t in list(range(0, seq, 37)) + [seq - 1]:
+      step = attend_path(q[:, t:t + 1], k, v, jnp.full((batch,), t + 1, jnp.int32),
+                         jnp.full((batch,), t, jnp.int32), split=split)
+      assert_bitwise_equal(step[:, 0], whole[:, t], what=f"decode t={t} split={split}")
+  start = 0
+  for size in (1, 7, 64, 200, 333, 419):
+    got = attend(q[:, start:start + size], k, v, jnp.full((batch,), start + size, jnp.int32),
+                 jnp.full((batch,), start, jnp.int32))
+    assert_bitwise_equal(got, whole[:, start:start + size], what=f"chunk {start}+{size}")
+    start += size
+  alone = attend(q[1:], k[1:], v[1:], lengths[1:], _zeros(1))
+  assert_bitwise_equal(alone[0], whole[1], what="sequence 1 alone")
+
