@@ -30,9 +30,10 @@ import numpy as np
 from jax import lax
 
 import jdet
+from jdet.bench import on_gpu
 from jdet.testing import assert_bitwise_equal
 
-ON_GPU = jax.default_backend() == "gpu"
+ON_GPU = on_gpu()
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 OUTERS = ("jit", "vmap", "scan", "fori_loop")
 

@@ -9,13 +9,14 @@ import pytest
 import jdet
 from jdet import __main__ as cli
 from jdet import fuzz
-from tests.conftest import ON_GPU
+from jdet.bench import on_gpu
 
-pytestmark = pytest.mark.skipif(ON_GPU, reason="CPU-sized trials; on a GPU run python -m jdet")
+pytestmark = pytest.mark.skipif(on_gpu(), reason="CPU-sized trials; on a GPU run python -m jdet")
 
 
 def test_a_few_trials_of_every_op_pass(capsys):
-  assert cli.main(["check", "--trials", "2", "--seed", "1"]) == 0
+  ops = [arg for op in fuzz.GENERATORS for arg in ("--op", op)]
+  assert cli.main(["check", "--trials", "2", "--seed", "1", *ops]) == 0
   out = capsys.readouterr().out
   for op in fuzz.GENERATORS:
     assert f"{op}: 2 of 2 trials passed" in out

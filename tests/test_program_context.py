@@ -20,7 +20,7 @@ from jax import lax
 
 import jdet
 from jdet.testing import assert_bitwise_equal
-from tests.conftest import ON_GPU
+from jdet.bench import on_gpu
 
 CHUNKS = 2
 
@@ -123,7 +123,7 @@ def test_tri_inverse_backward():
   _check_rows(_vjp(jdet.tri_inverse), TRI, G16)
 
 
-@pytest.mark.skipif(ON_GPU, reason="interpret mode is the CPU path")
+@pytest.mark.skipif(on_gpu(), reason="interpret mode is the CPU path")
 def test_interpret_launch_is_a_host_callback_of_its_own():
   jaxpr = str(jax.make_jaxpr(lambda x: jdet.sinkhorn(x, interpret=True))(LOGITS))
   assert "pure_callback" in jaxpr and "pallas_call" not in jaxpr
