@@ -16,11 +16,20 @@ def main(argv=None) -> int:
                      help="only this op (repeatable); default: all")
   check.add_argument("--small", action="store_true",
                      help="small shapes even on a GPU (the CPU default)")
+  check.add_argument("--trials", type=int, default=None,
+                     help="instead of the report, run this many seeded random invariance "
+                          "trials per op (jdet.fuzz); each failure prints a one-line repro")
+  check.add_argument("--seed", type=int, default=0, help="seed of the --trials fuzz")
   bench = sub.add_parser("bench", help="timings versus XLA, as a table and a plot")
   bench.add_argument("--op", choices=list(OPS), action="append",
                      help="only this op (repeatable); default: all")
   bench.add_argument("--out", default=None, help="folder for results.md and results.png")
   args = parser.parse_args(argv)
+  if args.command == "check" and args.trials is not None:
+    if args.trials < 1:
+      parser.error(f"--trials must be >= 1, got {args.trials}")
+    from jdet import fuzz
+    return fuzz.main(args.op, args.trials, args.seed)
   if args.command == "check":
     from jdet import check as check_module
     return check_module.main(args.op, full=False if args.small else None)

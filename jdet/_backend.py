@@ -1,10 +1,14 @@
-"""How jdet picks the Pallas backend, and the argument checks every op shares."""
+"""How jdet picks the Pallas backend, the argument checks every op shares, and the
+guard that makes differentiating an op's backward rule a clear error."""
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -27,6 +31,8 @@ def use_interpret(interpret: bool | None, *arrays) -> bool:
   trace the default backend decides.
   """
   if interpret is not None:
+    if not isinstance(interpret, (bool, np.bool_)):
+      raise TypeError(f"interpret must be None, True or False, got {interpret!r}")
     return bool(interpret)
   platform = _platform(arrays)
   if platform in ("gpu", "cuda"):
@@ -61,3 +67,76 @@ def as_array(name: str, x) -> jax.Array:
   if getattr(x, "dtype", None) == np.float64:
     check_float(name, x)
   return jnp.asarray(x)
+
+
+def check_precision(name: str, precision, default: lax.Precision | None):
+  """``precision`` as one ``lax.Precision`` (``default`` for None).
+
+  Takes what ``jnp.dot`` takes for one precision: a ``lax.Precision``, a string
+  ``lax.Precision`` accepts ("highest", "float32", "tensorfloat32", ...), or a
+  pair of those naming the same precision; and the member names ("HIGHEST").
+  jdet's kernels apply one precision to both operands, so a pair of different
+  ones, and ``lax.DotAlgorithm`` presets, raise ValueError naming ``name``.
+  """
+  if precision is None:
+    return default
+  if isinstance(precision, (tuple, list)) and len(precision) == 2 and None not in precision:
+    first, second = (check_precision(name, p, default) for p in precision)
+    if first != second:
+      raise ValueError(f"{name} must name one precision for both operands, got {precision!r}")
+    return first
+  if isinstance(precision, lax.Precision):
+    return precision
+  if isinstance(precision, str):
+    if precision in lax.Precision.__members__:
+      return lax.Precision[precision]
+    try:
+      return lax.Precision(precision)
+    except ValueError:
+      pass
+  raise ValueError(
+      f"{name} must be None, a jax.lax.Precision (DEFAULT, HIGH, HIGHEST), its name, "
+      f"a string jax.lax.Precision accepts (e.g. 'highest', 'float32', 'tensorfloat32') "
+      f"or a pair of equal ones; got {precision!r}")
+
+
+def differentiable_once(op: str, primal, fwd, bwd):
+  """Defines the VJP of the ``jax.custom_vjp`` function ``primal`` as ``fwd``,
+  ``bwd`` (``bwd(static, residuals, cotangent)``, like ``primal.defvjp``) and
+  returns ``primal`` wrapped so that every derivative beyond the first raises
+  one NotImplementedError naming ``op``.
+
+  jdet's rules launch kernels that have no derivatives of their own (Pallas
+  calls, host callbacks), so without this ``jax.grad`` of ``jax.grad`` fails
+  deep inside JAX. ``bwd`` runs inside a ``jax.custom_jvp`` whose JVP raises
+  (undifferentiated it is inlined and changes no bits), and the forward-mode
+  TypeError JAX raises for a ``custom_vjp`` (``jax.jvp``, ``jax.jacfwd``,
+  ``jax.hessian``) becomes the same error. Every op defines its VJP with this.
+  """
+  message = (f"jdet.{op} is differentiable once, in reverse mode (jax.grad, jax.vjp): "
+             f"higher-order derivatives (jax.grad of jax.grad, jax.hessian) and forward "
+             f"mode (jax.jvp, jax.jacfwd) are not supported")
+
+  def guarded_bwd(static, residuals, cotangent):
+    @jax.custom_jvp
+    def backward(residuals, cotangent):
+      return bwd(static, residuals, cotangent)
+
+    @backward.defjvp
+    def _differentiated(primals, tangents):
+      raise NotImplementedError(message)
+
+    return backward(residuals, cotangent)
+
+  primal.defvjp(fwd, guarded_bwd)
+
+  @functools.wraps(primal)
+  def call(*args):
+    try:
+      return primal(*args)
+    except TypeError as err:
+      if "forward-mode autodiff" not in str(err):
+        raise
+      raise NotImplementedError(message) from err
+
+  return call

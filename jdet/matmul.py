@@ -11,7 +11,8 @@ import numpy as np
 from jax import lax
 
 from jdet import _triton_backend
-from jdet._backend import as_array, check_float, check_ndim, use_interpret
+from jdet._backend import (FLOAT_DTYPES, as_array, check_float, check_ndim, check_precision,
+                           differentiable_once, use_interpret)
 from pallas_kernels import hopper_matmul as hopper
 from pallas_kernels import matmul as kernels
 
@@ -38,8 +39,11 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None,
     precision: ``None``/``DEFAULT`` lets float32 inputs use TF32 on the GPU;
       ``jax.lax.Precision.HIGHEST`` gives IEEE float32 products. bf16/f16
       inputs always multiply exactly and accumulate in float32. CPU is always
-      IEEE float32.
-    preferred_element_type: output dtype; defaults to ``jnp.result_type(a, b)``.
+      IEEE float32. Also taken: the names ("HIGHEST") and the strings
+      ``jax.lax.Precision`` accepts ("highest", "float32", ...), or a pair of
+      equal ones; anything else raises ValueError.
+    preferred_element_type: output dtype, bfloat16, float16 or float32 (else
+      TypeError); defaults to ``jnp.result_type(a, b)``.
     interpret: ``None`` picks by platform (native on GPU, interpret on CPU). On an
       H100, bf16/f16 GEMMs whose sizes suit TMA run on a Mosaic GPU kernel (dB always,
       the forward and dA above 128 rows), the rest on Triton; both keep the contract
@@ -59,6 +63,10 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None,
   order (zero-padding K does not change a row). Under ``jax.grad``, ``dA`` has
   the same property and ``dB`` is reduced over rows in a fixed order: appending
   rows whose cotangent is zero leaves it bitwise unchanged.
+
+  Differentiable once, in reverse mode (``jax.grad``, ``jax.vjp``): a second
+  derivative (``jax.grad`` of ``jax.grad``, ``jax.hessian``) or forward mode
+  (``jax.jvp``, ``jax.jacfwd``) raises NotImplementedError.
   """
   a = as_array("a", a)
   b = as_array("b", b)
@@ -79,12 +87,8 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None,
     raise ValueError(
         f"batch dims of a {a.shape[:-2]} and b {b.shape[:-2]} do not broadcast") from None
   compute_dtype = jnp.result_type(a.dtype, b.dtype)
-  out_dtype = jnp.dtype(preferred_element_type or compute_dtype)
-  if out_dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
-    raise TypeError(
-        f"preferred_element_type must be bfloat16, float16 or float32, got {out_dtype}")
-  if precision is not None:
-    precision = lax.Precision(precision)
+  out_dtype = _check_out_dtype(preferred_element_type, compute_dtype)
+  precision = check_precision("precision", precision, None)
   config = _GemmConfig(precision, out_dtype, _interpret_for(backend, interpret, a, b), backend)
   a = a.astype(compute_dtype)
   b = b.astype(compute_dtype)
@@ -94,6 +98,19 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None,
     out = _gemm(a.reshape(1, -1, k), b[None], config)
     return out.reshape(*a.shape[:-1], n)
   return _batched(a, b, batch, config)
+
+
+def _check_out_dtype(preferred_element_type, compute_dtype) -> np.dtype:
+  if preferred_element_type is None:
+    return jnp.dtype(compute_dtype)
+  try:
+    out_dtype = jnp.dtype(preferred_element_type)
+  except (TypeError, ValueError):
+    out_dtype = None
+  if out_dtype not in FLOAT_DTYPES:
+    raise TypeError(f"preferred_element_type must be None, bfloat16, float16 or float32, "
+                    f"got {preferred_element_type!r}")
+  return out_dtype
 
 
 def _interpret_for(backend: str, interpret, a, b) -> bool:
@@ -218,7 +235,7 @@ def _gemm_backward(config, residuals, dc):
   return da, db
 
 
-_gemm.defvjp(_gemm_forward, _gemm_backward)
+_gemm = differentiable_once("matmul", _gemm, _gemm_forward, _gemm_backward)
 
 
 def matmul_reference(a, b, *, precision=lax.Precision.HIGHEST, preferred_element_type=None):

@@ -13,11 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdet._backend import as_array, check_float, check_ndim, use_interpret
+from jdet._backend import (as_array, check_float, check_ndim, differentiable_once,
+                           use_interpret)
 from pallas_kernels import sinkhorn as kernels
-from pallas_kernels._common import run_as_own_program
 
 GRADS = ("unrolled", "implicit")
+# The most iterations sinkhorn takes. The unrolled backward recomputes the
+# iterates segment by segment, so its work grows with iters squared over the
+# segment length; 10,000 iterations is far past convergence for any n <= 16.
+MAX_ITERS = 10_000
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +43,10 @@ def sinkhorn(logits, *, iters=20, eps=1e-6, init="softmax", grad="unrolled", int
   Args:
     logits: ``[..., n, n]``, float32, bfloat16 or float16, any number of leading
       (token) dims, 1 <= n <= 16. Computation is float32.
-    iters: Sinkhorn-Knopp iterations, an int >= 1.
-    eps: guard of the sums, a finite float > 0.
+    iters: Sinkhorn-Knopp iterations, an int from 1 to ``MAX_ITERS`` (10,000).
+    eps: guard of the sums, a float that is a positive normal float32
+      (1.18e-38 <= eps <= 3.4e38; the kernels compute in float32, where a
+      smaller eps would be 0 or subnormal).
     init: ``"softmax"`` (DeepSeek's kernels): P = softmax(logits, -1) + eps,
       R = P / (colsum(P) + eps), then ``iters - 1`` times
       R = R / (rowsum(R) + eps); R = R / (colsum(R) + eps).
@@ -52,10 +60,6 @@ def sinkhorn(logits, *, iters=20, eps=1e-6, init="softmax", grad="unrolled", int
       ``"implicit"``: the gradient at the fixed point, from the linear system
       corrected for the row sums r and column sums c of the result; it is
       trustworthy once :func:`sinkhorn_residual` is small (see there).
-      On CPU its interpret-mode kernel runs as a program of its own (see
-      ``pallas_kernels._common.run_as_own_program``), so XLA:CPU's
-      per-program FMA choices cannot change its bits between ``jit(grad)``,
-      ``vmap`` and other surroundings.
     interpret: ``None`` picks by platform (Triton on GPU, interpret on CPU).
 
   Returns:
@@ -68,6 +72,10 @@ def sinkhorn(logits, *, iters=20, eps=1e-6, init="softmax", grad="unrolled", int
   depend only on its own logits and cotangent: not on the number of matrices,
   their order, padding, chunking, ``jit``/``vmap``, nor on the run. A NaN in one
   matrix stays in that matrix. Finite logits never give NaN.
+
+  Differentiable once, in reverse mode (``jax.grad``, ``jax.vjp``): a second
+  derivative (``jax.grad`` of ``jax.grad``, ``jax.hessian``) or forward mode
+  (``jax.jvp``, ``jax.jacfwd``) raises NotImplementedError.
   """
   logits = as_array("logits", logits)
   check_ndim("logits", logits, 2, "[..., n, n]")
@@ -90,16 +98,18 @@ def sinkhorn(logits, *, iters=20, eps=1e-6, init="softmax", grad="unrolled", int
 def _check_iters(iters) -> int:
   if isinstance(iters, bool) or not isinstance(iters, numbers.Integral):
     raise TypeError(f"iters must be a Python int, got {type(iters).__name__}")
-  if iters < 1:
-    raise ValueError(f"iters must be >= 1, got {iters}")
+  if not 1 <= iters <= MAX_ITERS:
+    raise ValueError(f"iters must be >= 1 and <= MAX_ITERS = {MAX_ITERS}, got {iters}")
   return int(iters)
 
 
 def _check_eps(eps) -> float:
   if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
     raise TypeError(f"eps must be a Python float, got {type(eps).__name__}")
-  if not (math.isfinite(eps) and eps > 0):
-    raise ValueError(f"eps must be a finite number > 0, got {eps}")
+  if not (math.isfinite(eps) and _FLOAT32_TINY <= eps <= _FLOAT32_MAX):
+    raise ValueError(
+        f"eps must be a positive normal float32 ({_FLOAT32_TINY:.3g} <= eps <= "
+        f"{_FLOAT32_MAX:.3g}: the kernels compute in float32), got {eps}")
   return float(eps)
 
 
@@ -133,15 +143,9 @@ def _sinkhorn_forward(logits, config):
 def _sinkhorn_backward(config, saved, cotangent):
   cotangent = cotangent.astype(jnp.float32)
   if config.grad == "implicit":
-    implicit = functools.partial(kernels.sinkhorn_implicit_backward, out_dtype=config.dtype,
-                                 tiles=_backward_tiles(config), interpret=config.interpret)
-    if config.interpret:
-      # The CG's sums are where XLA:CPU's per-program FMA choices showed (see
-      # run_as_own_program); the GPU kernel is compiled on its own anyway.
-      dlogits = run_as_own_program(
-          implicit, jax.ShapeDtypeStruct(saved.shape, config.dtype), saved, cotangent)
-    else:
-      dlogits = implicit(saved, cotangent)
+    dlogits = kernels.sinkhorn_implicit_backward(
+        saved, cotangent, out_dtype=config.dtype, tiles=_backward_tiles(config),
+        interpret=config.interpret)
   else:
     dlogits = kernels.sinkhorn_unrolled_backward(
         saved, cotangent, iters=config.iters, eps=config.eps,
@@ -149,7 +153,8 @@ def _sinkhorn_backward(config, saved, cotangent):
   return (dlogits,)
 
 
-_sinkhorn.defvjp(_sinkhorn_forward, _sinkhorn_backward)
+_sinkhorn = differentiable_once("sinkhorn", _sinkhorn, _sinkhorn_forward,
+                                _sinkhorn_backward)
 
 
 def sinkhorn_residual(r):

@@ -50,8 +50,10 @@ def random_normal(seed: int | np.random.Generator, shape, dtype=jnp.float32) -> 
 
 def relative_error(got, want) -> float:
   """max |got - want| / max |want| in float64: the accuracy measure of jdet's
-  tests, checks and benchmarks (0 for an all-zero ``want`` matched exactly)."""
+  tests, checks and benchmarks (0 for an all-zero or empty ``want`` matched exactly)."""
   got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  if got.size == 0 and want.size == 0:
+    return 0.0
   return float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
 
 

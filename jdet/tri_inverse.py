@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdet._backend import as_array, check_float, check_ndim, use_interpret
+from jdet._backend import (as_array, check_float, check_ndim, check_precision,
+                           differentiable_once, use_interpret)
 from pallas_kernels import tri_inverse as kernels
 
 METHODS = ("blocked", "doubling")
@@ -36,9 +38,18 @@ def tri_inverse(a, *, method="blocked", precision=lax.Precision.HIGHEST, interpr
       Only the strictly lower triangle is read: the diagonal and the upper
       triangle are ignored, whatever they hold.
     method: ``"blocked"`` (default) inverts the 16x16 diagonal blocks by forward
-      substitution, then merges blocks upward (``X21 = X22 · A21 · X11``); its
-      relative error (max |X - X_exact| / max |X_exact|) is below 1e-6 in
-      f32, on well-conditioned and on ill-conditioned inputs alike.
+      substitution, then merges blocks upward (``X21 = X22 · A21 · X11``). Its
+      relative error (max |X - X_exact| / max |X_exact|, X_exact by forward
+      substitution in long double), measured in f32 on CPU for n = 16, 32,
+      64, 128: at most 6e-8 on :func:`gdn_chunk_matrices` inputs and on
+      ``a = -β·L`` (L the strictly lower ones, β = 0.99 or 1.01); on
+      ``a = +β·L``, whose inverse grows like binomial coefficients (to 1e38 at
+      n = 128), 2e-7, 4e-7, 8e-7, 1.6e-6; on strictly lower N(0, 1) entries
+      (inverse up to 2e15 at n = 128) 1.4e-7, 3.2e-7, 2.6e-6, 2.0e-6, like
+      float32 ``solve_triangular`` (1.4e-7 to 3.2e-6; a float64
+      ``np.linalg.inv`` is off by 0.8 at n = 128). Entries far smaller than
+      the largest carry its absolute error: entrywise relative errors reach
+      6e-3 on N(0, 1) at n = 128 (``solve_triangular``: 5e-3).
       ``"doubling"`` runs ``X = I, Y = A``; ceil(log2 n) times
       ``X = X + X·Y, Y = Y·Y``, one n x n product after another: accurate
       only while the powers of A stay small. Its measured relative errors
@@ -48,6 +59,9 @@ def tri_inverse(a, *, method="blocked", precision=lax.Precision.HIGHEST, interpr
       from n = 32 on. Use it only for small n or strongly decaying gates.
     precision: of the block products. ``HIGHEST`` (default) is IEEE float32;
       ``DEFAULT``/``HIGH`` let the GPU use TF32. CPU is always IEEE float32.
+      Also taken: the names ("HIGHEST") and the strings ``jax.lax.Precision``
+      accepts ("highest", "float32", ...), or a pair of equal ones; ``None``
+      is ``DEFAULT``. Anything else raises ValueError.
     interpret: ``None`` picks by platform (Triton on GPU, interpret on CPU).
 
   Returns:
@@ -59,6 +73,10 @@ def tri_inverse(a, *, method="blocked", precision=lax.Precision.HIGHEST, interpr
   or the run; NaN/inf in one matrix leaves the others bitwise unchanged. Under
   ``jax.grad``, ``dA = tril(Xᵀ · G · Xᵀ, -1)`` (in ``a``'s dtype, zero on and
   above the diagonal) has the same property.
+
+  Differentiable once, in reverse mode (``jax.grad``, ``jax.vjp``): a second
+  derivative (``jax.grad`` of ``jax.grad``, ``jax.hessian``) or forward mode
+  (``jax.jvp``, ``jax.jacfwd``) raises NotImplementedError.
   """
   a = as_array("a", a)
   check_ndim("a", a, 2, "[..., n, n]")
@@ -71,14 +89,9 @@ def tri_inverse(a, *, method="blocked", precision=lax.Precision.HIGHEST, interpr
         f"a's matrices must be n x n with n in {kernels.SIZES}, got n = {n} "
         f"(pad a chunk to the next supported size: zero rows and columns leave "
         f"the inverse's leading block unchanged)")
-  if method not in METHODS:
+  if not isinstance(method, str) or method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-  try:
-    precision = lax.Precision.DEFAULT if precision is None else lax.Precision(precision)
-  except (TypeError, ValueError):
-    raise ValueError(
-        f"precision must be a jax.lax.Precision (DEFAULT, HIGH or HIGHEST), "
-        f"got {precision!r}") from None
+  precision = check_precision("precision", precision, lax.Precision.DEFAULT)
   config = _TriInverseConfig(method, precision, dtype, use_interpret(interpret, a))
   if a.size == 0:
     return jnp.zeros(a.shape, jnp.float32)
@@ -110,7 +123,8 @@ def _tri_inverse_backward(config, x, g):
   return (da,)
 
 
-_tri_inverse.defvjp(_tri_inverse_forward, _tri_inverse_backward)
+_tri_inverse = differentiable_once("tri_inverse", _tri_inverse, _tri_inverse_forward,
+                                   _tri_inverse_backward)
 
 
 def tri_inverse_reference(a):
@@ -134,20 +148,21 @@ def gdn_chunk_matrices(key, batch: int, n: int, *, head_dim: int = 64,
   ``key_overlap² / (1 + key_overlap²)``), ``beta`` is uniform in (0, 1), the
   per-step log-decay uniform in (-max_log_decay, 0] and ``g`` its running sum
   within the chunk, so ``A[i, j] = beta_i (k_i · k_j) exp(g_i - g_j)`` for i > j.
-  Returns ``a = -tril(A, -1)``: ``[batch, n, n]`` float32. An input builder, not
-  an op: it is not batch-invariant and need not be.
+  Returns ``a = -tril(A, -1)``: ``[batch, n, n]`` float32 (also under
+  ``jax_enable_x64``). An input builder, not an op: it is not batch-invariant
+  and need not be.
   """
   key_shared, key_noise, key_beta, key_g = jax.random.split(key, 4)
   shared = jax.random.normal(key_shared, (batch, 1, head_dim), jnp.float32)
   shared = shared / jnp.linalg.norm(shared, axis=-1, keepdims=True)
-  noise = jax.random.normal(key_noise, (batch, n, head_dim), jnp.float32) / np.sqrt(head_dim)
+  noise = jax.random.normal(key_noise, (batch, n, head_dim), jnp.float32) / math.sqrt(head_dim)
   keys = key_overlap * shared + noise
   keys = keys / jnp.linalg.norm(keys, axis=-1, keepdims=True)
   beta = jax.random.uniform(key_beta, (batch, n, 1), jnp.float32, 1e-3, 1.0)
   g = jnp.cumsum(-max_log_decay * jax.random.uniform(key_g, (batch, n), jnp.float32), axis=-1)
   similarity = jnp.einsum("bik,bjk->bij", keys, keys, precision=lax.Precision.HIGHEST)
   decay = jnp.exp(jnp.minimum(g[:, :, None] - g[:, None, :], 0.0))
-  return -jnp.tril(beta * similarity * decay, -1)
+  return -jnp.tril(beta * similarity * decay, -1).astype(jnp.float32)
 
 
 def hostile_chunk_matrices(batch: int, n: int, *, beta: float = 0.99):

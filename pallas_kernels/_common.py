@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,24 +40,42 @@ def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
-def run_as_own_program(kernel, result: jax.ShapeDtypeStruct, *args):
-  """Runs a row-wise interpret-mode ``kernel(*args)`` as a separately compiled program.
+def launcher(fn):
+  """Declares ``fn`` a kernel launcher: ``jax.jit`` with every keyword-only
+  argument static and, with ``interpret=True``, a program of its own.
 
-  XLA:CPU decides per program whether ``a*b + c`` becomes one FMA, so a kernel
-  inlined into different programs (``jit(grad)``, ``vmap``, aliased inputs) can
-  round differently. Calling it through a host callback gives it one program of
-  its own whatever surrounds it. ``kernel`` maps arrays whose leading axis is
-  the row axis to a ``result``-shaped array, each row on its own; under
-  ``vmap`` the (broadcast) extra leading axes are folded into the rows. CPU only.
+  Every launcher takes arrays positionally and its options (tiles, dtypes,
+  ``interpret``) as hashable keyword-only arguments. On the GPU it is plain
+  ``jax.jit``: each Triton or Mosaic kernel is compiled on its own anyway.
+  In interpret mode the kernel is XLA:CPU code, and XLA:CPU contracts
+  ``a*b + c`` into one FMA wherever a multiply and an add end up in one fused
+  loop, which depends on the whole program: the same kernel inlined into
+  ``jit(grad)``, ``vmap``, a ``lax.scan``/``fori_loop`` over chunks or a
+  program with aliased inputs rounded differently. No per-compilation XLA:CPU
+  option turns the contraction off (``--xla_cpu_max_isa=AVX`` does, but only
+  for the whole process, and slows everything), so interpret mode calls the
+  jitted launcher from a host callback instead: it is compiled once per
+  shape and options, whatever program surrounds it. Under ``vmap`` the
+  callback runs once per batch entry on unbatched shapes (bitwise the same as
+  calling the launcher on each entry). Callbacks do not support ``jax.export``.
   """
-  rank = len(result.shape)
+  keyword_only = tuple(name for name, p in inspect.signature(fn).parameters.items()
+                       if p.kind is inspect.Parameter.KEYWORD_ONLY)
+  jitted = jax.jit(fn, static_argnames=keyword_only)
 
-  def host(*arrays):
-    lead = arrays[0].shape[:arrays[0].ndim - rank]
-    rows = [np.asarray(a).reshape((-1,) + a.shape[len(lead) + 1:]) for a in arrays]
-    return np.asarray(kernel(*rows)).reshape(lead + result.shape)
+  @functools.wraps(fn)
+  def launch(*arrays, **options):
+    if not options.get("interpret"):
+      return jitted(*arrays, **options)
+    run = functools.partial(jitted, **options)
 
-  return jax.pure_callback(host, result, *args, vmap_method="broadcast_all")
+    def host(*values):
+      return jax.tree.map(np.asarray, run(*values))
+
+    return jax.pure_callback(host, jax.eval_shape(run, *arrays), *arrays,
+                             vmap_method="sequential")
+
+  return launch
 
 
 def dot_f32(a, b, *, trans_a: bool = False, trans_b: bool = False, precision=None):
@@ -170,13 +191,13 @@ __all__ = [
     "compiler_params",
     "divide",
     "dot_f32",
+    "launcher",
     "load_block",
     "lookup_tiles",
     "multiply",
     "multiply_add",
     "pad_axis",
     "reciprocal",
-    "run_as_own_program",
     "store_block",
     "sum_in_order",
 ]

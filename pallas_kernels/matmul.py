@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params, dot_f32,
-                                    load_block, pad_axis, store_block)
+                                    launcher, load_block, pad_axis, store_block)
 
 BLOCK_K = 64
 
@@ -191,9 +191,7 @@ def matmul_at_b_kernel(a_ref, d_ref, o_ref, *, k: int, n: int, precision):
   store_block(o_ref, acc.astype(o_ref.dtype), rows=a_cols, cols=d_cols)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("transpose_b", "out_dtype", "precision", "tiles", "interpret"))
+@launcher
 def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles: MatmulTiles,
            interpret: bool):
   """Launches :func:`matmul_kernel` over a batch of problems.
@@ -236,8 +234,7 @@ def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles: MatmulTiles,
   )(a, b)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("out_dtype", "precision", "tiles", "interpret"))
+@launcher
 def matmul_at_b(a, d, *, out_dtype, precision, tiles: MatmulTiles, interpret: bool):
   """Launches :func:`matmul_at_b_kernel`: ``Aᵀ @ D`` per batch entry.
 

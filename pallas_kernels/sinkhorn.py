@@ -38,9 +38,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import (block_mask, cdiv, compiler_params, load_block,
-                                    lookup_tiles, multiply_add, pad_axis, reciprocal,
-                                    store_block, sum_in_order)
+from pallas_kernels._common import (block_mask, cdiv, compiler_params, launcher,
+                                    load_block, lookup_tiles, multiply_add, pad_axis,
+                                    reciprocal, store_block, sum_in_order)
 
 MAX_N = 16
 INITS = ("softmax", "exp")
@@ -436,7 +436,7 @@ def _launch(kernel, inputs, *, out_dtype, tiles: SinkhornTiles, interpret: bool,
   return out.reshape(tokens, n, width)[:, :, :n]
 
 
-@functools.partial(jax.jit, static_argnames=("iters", "eps", "init", "tiles", "interpret"))
+@launcher
 def sinkhorn_forward(logits, *, iters: int, eps: float, init: str, tiles: SinkhornTiles,
                      interpret: bool):
   """logits: [T, n, n] (float32/bfloat16/float16); returns the [T, n, n] float32 projection."""
@@ -445,7 +445,7 @@ def sinkhorn_forward(logits, *, iters: int, eps: float, init: str, tiles: Sinkho
                  out_dtype=jnp.float32, tiles=tiles, interpret=interpret, name="jdet_sinkhorn")
 
 
-@functools.partial(jax.jit, static_argnames=("iters", "eps", "init", "tiles", "interpret"))
+@launcher
 def sinkhorn_unrolled_backward(logits, cotangent, *, iters: int, eps: float, init: str,
                                tiles: SinkhornTiles, interpret: bool):
   """logits: [T, n, n]; cotangent: [T, n, n] float32. Returns dlogits in logits' dtype."""
@@ -457,7 +457,7 @@ def sinkhorn_unrolled_backward(logits, cotangent, *, iters: int, eps: float, ini
                  interpret=interpret, name="jdet_sinkhorn_unrolled_bwd")
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "tiles", "interpret"))
+@launcher
 def sinkhorn_implicit_backward(result, cotangent, *, out_dtype, tiles: SinkhornTiles,
                                interpret: bool):
   """result, cotangent: [T, n, n] float32. Returns dlogits [T, n, n] in ``out_dtype``."""

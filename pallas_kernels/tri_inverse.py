@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import (compiler_params, dot_f32, lookup_tiles, pad_axis,
-                                    sum_in_order)
+from pallas_kernels._common import (compiler_params, dot_f32, launcher, lookup_tiles,
+                                    pad_axis, sum_in_order)
 
 TILE = 16
 SIZES = (16, 32, 64, 128)
@@ -86,6 +86,13 @@ def _strictly_lower(block):
   return jnp.where(_iota(0) > _iota(1), block, 0.0)
 
 
+def _lower(block):
+  """Zeroes the upper part of a diagonal block. The substitution's upper
+  entries are exact zeros for finite input, but NaN or inf in a row's
+  multipliers reach them as 0 * inf."""
+  return jnp.where(_iota(0) >= _iota(1), block, 0.0)
+
+
 def _load_tile(ref, t, i: int, j: int):
   """Block (i, j) of matrix t of a [TB, n, n] ref, as float32."""
   rows, cols = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
@@ -129,7 +136,8 @@ def tri_inverse_blocked_kernel(a_ref, x_ref, *, precision):
   s = 16, 32, ... < n and each diagonal pair of s-blocks,
   ``T = A21 · X11`` and ``X21 = X22 · T``, each 16x16 block a sum over the
   inner blocks in ascending order, skipping the blocks known to be zero.
-  Blocks above the diagonal are stored as zeros.
+  Blocks above the diagonal are stored as zeros, and so is the upper part of
+  the diagonal blocks (whatever the input holds).
   """
   count = a_ref.shape[-1] // TILE
   dot = functools.partial(dot_f32, precision=precision)
@@ -154,7 +162,7 @@ def tri_inverse_blocked_kernel(a_ref, x_ref, *, precision):
     zeros = jnp.zeros((TILE, TILE), jnp.float32)
     for i in range(count):
       for j in range(count):
-        _store_tile(x_ref, t, i, j, x[i, j] if j <= i else zeros)
+        _store_tile(x_ref, t, i, j, x[i, j] if j < i else _lower(x[i, j]) if j == i else zeros)
     return carry
 
   lax.fori_loop(0, a_ref.shape[0], invert, 0)
@@ -166,7 +174,8 @@ def tri_inverse_doubling_kernel(a_ref, x_ref, *, precision):
   a_ref: [TB, n, n] any float dtype; x_ref: [TB, n, n] float32. X = I, Y = A;
   ceil(log2 n) times X = X + X·Y, then Y = Y·Y (skipped after the last step),
   each product one n x n dot: X = I + A + ... + A^(n-1), exact in exact
-  arithmetic, with f32 cancellation when the powers of A are large.
+  arithmetic, with f32 cancellation when the powers of A are large. The upper
+  triangle is stored as zeros (the products spread NaN/inf over the matrix).
   """
   n = a_ref.shape[-1]
   rows = lax.broadcasted_iota(jnp.int32, (n, n), 0)
@@ -181,7 +190,7 @@ def tri_inverse_doubling_kernel(a_ref, x_ref, *, precision):
   def invert(t, carry):
     a = jnp.where(rows > cols, a_ref[t, :, :].astype(jnp.float32), 0.0)
     x, y = lax.fori_loop(0, math.ceil(math.log2(n)) - 1, double, (identity, a))
-    x_ref[t, :, :] = x + dot(x, y)
+    x_ref[t, :, :] = jnp.where(rows >= cols, x + dot(x, y), 0.0)
     return carry
 
   lax.fori_loop(0, a_ref.shape[0], invert, 0)
@@ -257,7 +266,7 @@ def _launch(kernel, inputs, *, out_dtype, tiles: TriInverseTiles, interpret: boo
   )(*inputs)[:batch]
 
 
-@functools.partial(jax.jit, static_argnames=("method", "precision", "tiles", "interpret"))
+@launcher
 def tri_inverse(a, *, method: str, precision, tiles: TriInverseTiles, interpret: bool):
   """Launches the ``method`` ("blocked" or "doubling") forward kernel.
 
@@ -270,7 +279,7 @@ def tri_inverse(a, *, method: str, precision, tiles: TriInverseTiles, interpret:
                  name=f"jdet_tri_inverse_{method}")
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "precision", "tiles", "interpret"))
+@launcher
 def tri_inverse_backward(x, g, *, out_dtype, precision, tiles: TriInverseTiles,
                          interpret: bool):
   """Launches :func:`tri_inverse_backward_kernel`.

@@ -194,10 +194,29 @@ def test_bad_input_raises(a, b, error, match):
     jdet.matmul(a, b)
 
 
-def test_bad_preferred_element_type():
-  with pytest.raises(TypeError, match="preferred_element_type"):
-    jdet.matmul(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32),
-                preferred_element_type=jnp.int32)
+@pytest.mark.parametrize("kwargs,error,match", [
+    ({"preferred_element_type": jnp.int32}, TypeError, "preferred_element_type"),
+    ({"preferred_element_type": "foo"}, TypeError, "preferred_element_type"),
+    ({"preferred_element_type": 0}, TypeError, "preferred_element_type"),
+    ({"precision": "ultra"}, ValueError, "precision must be"),
+    ({"precision": ("highest", "default")}, ValueError, "precision must name one precision"),
+    ({"precision": jax.lax.DotAlgorithmPreset.F32_F32_F32}, ValueError, "precision must be"),
+    ({"precision": 3}, ValueError, "precision must be"),
+    ({"interpret": "no"}, TypeError, "interpret must be"),
+    ({"backend": "cuda"}, ValueError, "backend must be"),
+])
+def test_bad_options_raise(kwargs, error, match):
+  with pytest.raises(error, match=match):
+    jdet.matmul(np.ones((2, 3), np.float32), np.ones((3, 2), np.float32), **kwargs)
+
+
+def test_precision_and_dtype_spellings():
+  """What jnp.dot takes for one precision, plus the member names, and dtype names."""
+  a, b = np.ones((2, 3), np.float32), np.ones((3, 2), np.float32)
+  want = jdet.matmul(a, b, precision=jax.lax.Precision.HIGHEST)
+  for spelling in ("HIGHEST", "highest", "float32", ("highest", "HIGHEST")):
+    assert_bitwise_equal(jdet.matmul(a, b, precision=spelling), want, what=repr(spelling))
+  assert jdet.matmul(a, b, preferred_element_type="bfloat16").dtype == jnp.bfloat16
 
 
 BENCHMARK_KN = ((4096, 4096), (4096, 12288), (4096, 14336), (14336, 4096), (4096, 32000))

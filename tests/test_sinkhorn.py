@@ -212,6 +212,14 @@ def test_empty_and_single_matrix():
     (np.ones((2, 4, 4), np.float32), {"eps": 0.0}, ValueError, "eps must be"),
     (np.ones((2, 4, 4), np.float32), {"eps": float("nan")}, ValueError, "eps must be"),
     (np.ones((2, 4, 4), np.float32), {"eps": "1e-6"}, TypeError, "eps must be"),
+    # 1e-50 is a float64 > 0 but 0 in float32 (the kernels' NaN); 1e-40 a subnormal.
+    (np.ones((2, 4, 4), np.float32), {"eps": 1e-50}, ValueError, "eps must be a positive normal"),
+    (np.ones((2, 4, 4), np.float32), {"eps": 1e-40}, ValueError, "eps must be a positive normal"),
+    (np.ones((2, 4, 4), np.float32), {"eps": 1e39}, ValueError, "eps must be a positive normal"),
+    (np.ones((2, 4, 4), np.float32), {"iters": 10_001}, ValueError, "<= MAX_ITERS = 10000"),
+    (np.ones((2, 4, 4), np.float32), {"iters": 2**31 - 1}, ValueError, "iters must be"),
+    (np.ones((2, 4, 4), np.float32), {"iters": 2**40}, ValueError, "iters must be"),
+    (np.ones((2, 4, 4), np.float32), {"interpret": "yes"}, TypeError, "interpret must be"),
     (np.ones((2, 4, 4), np.float32), {"init": "log"}, ValueError, "init must be one of"),
     (np.ones((2, 4, 4), np.float32), {"grad": "auto"}, ValueError, "grad must be one of"),
 ])

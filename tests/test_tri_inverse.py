@@ -215,6 +215,9 @@ def test_empty_batch():
     ("x", {}, TypeError, "a must be an array"),
     (np.ones((16, 16), np.float32), {"method": "neumann"}, ValueError, "method"),
     (np.ones((16, 16), np.float32), {"precision": "ultra"}, ValueError, "precision"),
+    (np.ones((16, 16), np.float32), {"precision": ("high", "highest")}, ValueError, "precision"),
+    (np.ones((16, 16), np.float32), {"method": ["blocked"]}, ValueError, "method"),
+    (np.ones((16, 16), np.float32), {"interpret": 1}, TypeError, "interpret must be"),
 ])
 def test_bad_input_raises(a, kwargs, error, match):
   with pytest.raises(error, match=match):

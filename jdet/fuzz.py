@@ -1,0 +1,252 @@
+"""Seeded random invariance fuzz: ``python -m jdet check --trials N --seed S``.
+
+A trial draws one op's case: a shape within the op's supported range (small on
+CPU, where every new shape compiles interpret-mode kernels), a dtype and
+options, a full batch of random rows; then a second batch that holds some of
+those rows (random ones, possibly repeated) among fresh rows at random
+positions, in a random leading-dim layout or split into chunks, and a
+transform: ``jit``, ``vmap``, ``lax.scan`` or ``lax.fori_loop`` over the
+chunks, of the forward or of the per-row gradient (for ``matmul`` also the
+weight gradient with zero-cotangent rows appended). The rows' results must be
+bitwise those of the full batch under plain ``jit``.
+
+``GENERATORS`` maps each op to ``trial(rng)``: it returns None or raises an
+AssertionError whose message describes the case (op, shapes, dtype, options,
+transform, rows). Ops without one run their registry ``sweep_case``.
+:func:`run_trial` seeds ``rng`` from (seed, op, index) and adds the one-line
+command that replays the trial.
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import time
+import zlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+import jdet
+from jdet.bench import on_gpu
+from jdet.testing import assert_bitwise_equal
+
+ON_GPU = on_gpu()
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+OUTERS = ("jit", "vmap", "scan", "fori_loop")
+
+
+def _pick(rng, options):
+  return options[int(rng.integers(len(options)))]
+
+
+def _normal(rng, shape, dtype, scale=1.0):
+  return jnp.asarray(rng.standard_normal(shape) * scale, jnp.float32).astype(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _row_function(op, options: tuple, grad: bool, batched: int):
+  """``op(*batched_args, *shared_args, **options)``, or with ``grad`` its VJP with
+  respect to the batched args (the cotangent then follows them). Cached, so that
+  jit reuses its compilations from trial to trial."""
+  fn = lambda *args: op(*args, **dict(options))
+  if not grad:
+    return fn
+
+  def vjp(*args):
+    inputs, cotangent, shared = args[:batched], args[batched], args[batched + 1:]
+    out, pullback = jax.vjp(lambda *xs: fn(*xs, *shared), *inputs)
+    return pullback(cotangent.astype(out.dtype))
+  return vjp
+
+
+@functools.lru_cache(maxsize=None)
+def _transformed(fn, outer: str, shared: int):
+  """jit of ``fn`` applied over a leading chunk axis of every batched arg."""
+  if outer == "jit":
+    return jax.jit(fn)
+
+  def over_chunks(*args):
+    batched, rest = args[:len(args) - shared], args[len(args) - shared:]
+    if outer == "vmap":
+      return jax.vmap(fn, in_axes=(0,) * len(batched) + (None,) * shared)(*args)
+    step = lambda xs: fn(*xs, *rest)
+    if outer == "scan":
+      return lax.scan(lambda c, xs: (c, step(xs)), 0, batched)[1]
+    first = jax.eval_shape(step, tuple(x[0] for x in batched))
+    out = jax.tree.map(lambda s: jnp.zeros((batched[0].shape[0],) + s.shape, s.dtype), first)
+    return lax.fori_loop(0, batched[0].shape[0], lambda i, out: jax.tree.map(
+        lambda o, r: o.at[i].set(r), out, step(tuple(x[i] for x in batched))), out)
+  return jax.jit(over_chunks)
+
+
+def _divisors(n):
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def check_rows(rng, case: str, op, options: tuple, batched: tuple, shared: tuple,
+               fresh) -> None:
+  """The invariance check every generator runs.
+
+  ``op(*batched, *shared, **dict(options))`` maps rows (the leading axis of each
+  batched arg) to rows; fresh(count) returns ``count`` new rows of each batched
+  arg. Raises AssertionError describing the case on any differing bit.
+  """
+  rows = batched[0].shape[0]
+  grad = bool(rng.integers(2))
+  fn = _row_function(op, options, grad, len(batched))
+  if grad:
+    probe = jax.eval_shape(_row_function(op, options, False, len(batched)), *batched, *shared)
+    batched = batched + (_normal(rng, probe.shape, jnp.float32),)
+    make_fresh = fresh
+    fresh = lambda count: make_fresh(count) + (_normal(rng, (count,) + probe.shape[1:],
+                                                               jnp.float32),)
+  outer = _pick(rng, OUTERS)
+  want = _transformed(fn, "jit", len(shared))(*batched, *shared)
+
+  chosen = int(rng.integers(1, rows + 1))
+  picks = rng.choice(rows, chosen, replace=bool(rng.integers(2)))
+  extra = int(rng.integers(0, rows + 1))
+  order = rng.permutation(chosen + extra)
+  total = chosen + extra
+  mixed = tuple(jnp.concatenate([x[picks], f], axis=0)[order]
+                for x, f in zip(batched, fresh(extra)))
+  positions = np.argsort(order)[:chosen]  # where each picked row landed
+  feature = lambda x: x.shape[1:]
+  if outer == "jit":
+    lead = _pick(rng, [(total,), *[(d, total // d) for d in _divisors(total)[1:-1]]])
+    layout = f"leading dims {lead}"
+  else:
+    chunks = _pick(rng, _divisors(total)[1:] or [1])
+    lead = (chunks, total // chunks)
+    layout = f"{chunks} chunks of {total // chunks}"
+  args = tuple(x.reshape(lead + feature(x)) for x in mixed)
+  describe = (f"{case}; transform={outer}/{'grad' if grad else 'forward'}; rows "
+              f"{picks.tolist()} of a batch of {rows}, at positions {positions.tolist()} "
+              f"of a batch of {total} ({layout})")
+  try:
+    got = _transformed(fn, outer if len(lead) > 1 else "jit", len(shared))(*args, *shared)
+  except Exception as err:  # an op that fails on a valid case is a finding too
+    raise AssertionError(f"{describe}: raised {type(err).__name__}: {err}") from err
+  got = jax.tree.map(lambda y: y.reshape((total,) + y.shape[len(lead):])[positions], got)
+  assert_bitwise_equal(got, jax.tree.map(lambda y: y[picks], want), what=describe)
+
+
+@functools.lru_cache(maxsize=None)
+def _weight_gradient(matmul, precision):
+  return jax.jit(jax.grad(lambda b, a, g: jnp.sum(matmul(a, b, precision=precision)
+                                                  .astype(jnp.float32) * g)))
+
+
+def matmul_trial(rng) -> None:
+  k = _pick(rng, (1, 16, 64, 65, 130) if not ON_GPU else (1, 64, 100, 512, 4096))
+  n = _pick(rng, (1, 8, 33, 64) if not ON_GPU else (1, 128, 300, 1024, 4096))
+  rows = int(rng.integers(1, 25 if not ON_GPU else 300))
+  dtype = _pick(rng, DTYPES)
+  precision = _pick(rng, (None, "highest"))
+  a, b = _normal(rng, (rows, k), dtype), _normal(rng, (k, n), dtype)
+  options = (("precision", precision),)
+  case = (f"matmul a [{rows},{k}] b [{k},{n}] {jnp.dtype(dtype).name} "
+          f"precision={precision}")
+  if rng.integers(4) == 0:  # dB: appending rows with zero cotangent changes no bit
+    extra = int(rng.integers(1, rows + 1))
+    g = _normal(rng, (rows, n), jnp.float32)
+    db = _weight_gradient(jdet.matmul, precision)
+    padded = db(b, jnp.concatenate([a, _normal(rng, (extra, k), dtype)]),
+                jnp.concatenate([g, jnp.zeros((extra, n), jnp.float32)]))
+    assert_bitwise_equal(padded, db(b, a, g), what=f"{case}; transform=jit/grad dB; "
+                         f"{extra} rows with zero cotangent appended")
+    return
+  check_rows(rng, case, jdet.matmul, options, (a,), (b,),
+             lambda count: (_normal(rng, (count, k), dtype),))
+
+
+def sinkhorn_trial(rng) -> None:
+  n = _pick(rng, (1, 2, 3, 4, 8) if not ON_GPU else tuple(range(1, 17)))
+  iters = _pick(rng, (1, 3, 20))
+  init, grad = _pick(rng, ("softmax", "exp")), _pick(rng, ("unrolled", "implicit"))
+  dtype = _pick(rng, DTYPES)
+  rows = int(rng.integers(1, 13 if not ON_GPU else 3000))
+  scale = _pick(rng, (0.5, 2.0, 8.0))
+  options = (("iters", iters), ("init", init), ("grad", grad))
+  case = (f"sinkhorn logits [{rows},{n},{n}]*{scale} {jnp.dtype(dtype).name} iters={iters} "
+          f"init={init} grad={grad}")
+  make = lambda count: _normal(rng, (count, n, n), dtype, scale)
+  check_rows(rng, case, jdet.sinkhorn, options, (make(rows),), (),
+             lambda count: (make(count),))
+
+
+def tri_inverse_trial(rng) -> None:
+  n = _pick(rng, (16, 32) if not ON_GPU else (16, 32, 64, 128))
+  method = _pick(rng, ("blocked", "doubling"))
+  dtype = _pick(rng, DTYPES)
+  rows = int(rng.integers(1, 9 if not ON_GPU else 500))
+  options = (("method", method),)
+  case = f"tri_inverse a [{rows},{n},{n}] {jnp.dtype(dtype).name} method={method}"
+
+  def make(count):
+    seed = int(rng.integers(2**31))
+    return jdet.gdn_chunk_matrices(jax.random.key(seed), count, n).astype(dtype)
+  check_rows(rng, case, jdet.tri_inverse, options, (make(rows),), (),
+             lambda count: (make(count),))
+
+
+GENERATORS = {"matmul": matmul_trial, "sinkhorn": sinkhorn_trial,
+              "tri_inverse": tri_inverse_trial}
+
+
+def trial_rng(op: str, seed: int, index: int) -> np.random.Generator:
+  """The generator of trial ``index`` of ``op`` under ``seed`` (independent of
+  which other ops and trials run)."""
+  return np.random.default_rng([seed, zlib.crc32(op.encode()), index])
+
+
+def repro_command(op: str, seed: int, index: int) -> str:
+  return (f"python -c \"import jdet.fuzz as f; f.run_trial('{op}', seed={seed}, "
+          f"index={index})\"")
+
+
+def generator(op: str):
+  """The op's trial: its entry in GENERATORS, else its registry ``sweep_case``."""
+  if op in GENERATORS:
+    return GENERATORS[op]
+  from jdet._registry import OPS
+  return OPS[op].sweep_case
+
+
+def run_trial(op: str, *, seed: int, index: int) -> None:
+  """Runs one trial; on failure raises AssertionError with the case and the
+  command that replays it."""
+  try:
+    generator(op)(trial_rng(op, seed, index))
+  except AssertionError as err:
+    raise AssertionError(f"{op} trial {index} (seed {seed}) failed: {err}\n"
+                         f"REPRO: {repro_command(op, seed, index)}") from None
+
+
+def main(ops, trials: int, seed: int) -> int:
+  """Runs ``trials`` trials per op; prints a line per op and each failure's
+  repro; returns 0 if every trial passed, else 1."""
+  device = jax.devices()[0]
+  print(f"jdet fuzz on {device.device_kind} ({device.platform}), jax {jax.__version__}: "
+        f"{trials} trials per op, seed {seed}")
+  failed = 0
+  for op in ops or GENERATORS:
+    start, failures = time.perf_counter(), []
+    for index in range(trials):
+      try:
+        run_trial(op, seed=seed, index=index)
+      except AssertionError as err:
+        failures.append(str(err))
+      sys.stderr.write(f"\r{op}: {index + 1}/{trials}")
+      sys.stderr.flush()
+    sys.stderr.write("\n")
+    seconds = time.perf_counter() - start
+    print(f"{op}: {trials - len(failures)} of {trials} trials passed in {seconds:.0f} s")
+    for message in failures:
+      print(message)
+    failed += len(failures)
+  print(f"{'FAIL' if failed else 'ok'}: {failed} failed trials")
+  return 1 if failed else 0
