@@ -108,8 +108,8 @@ def differentiable_once(op: str, primal, fwd, bwd):
 
   jdet's rules launch kernels that have no derivatives of their own (Pallas
   calls, host callbacks), so without this ``jax.grad`` of ``jax.grad`` fails
-  deep inside JAX. ``bwd`` runs inside a ``jax.custom_jvp`` whose JVP raises
-  (undifferentiated it is inlined and changes no bits), and the forward-mode
+  deep inside JAX. ``fwd`` and ``bwd`` run inside a ``jax.custom_jvp`` whose JVP
+  raises (undifferentiated it is inlined and changes no bits), and the forward-mode
   TypeError JAX raises for a ``custom_vjp`` (``jax.jvp``, ``jax.jacfwd``,
   ``jax.hessian``) becomes the same error. Every op defines its VJP with this.
   """
@@ -117,18 +117,33 @@ def differentiable_once(op: str, primal, fwd, bwd):
              f"higher-order derivatives (jax.grad of jax.grad, jax.hessian) and forward "
              f"mode (jax.jvp, jax.jacfwd) are not supported")
 
-  def guarded_bwd(static, residuals, cotangent):
-    @jax.custom_jvp
-    def backward(residuals, cotangent):
-      return bwd(static, residuals, cotangent)
+  def undifferentiable(fn, *args):
+    """``fn(*args)`` inside a ``jax.custom_jvp`` whose JVP raises; the arguments that
+    are not arrays (static configs) are closed over."""
+    dynamic = [i for i, a in enumerate(args)
+               if all(isinstance(leaf, (jax.Array, np.ndarray, np.generic))
+                      for leaf in jax.tree.leaves(a))]
 
-    @backward.defjvp
+    @jax.custom_jvp
+    def call(*values):
+      merged = list(args)
+      for i, value in zip(dynamic, values):
+        merged[i] = value
+      return fn(*merged)
+
+    @call.defjvp
     def _differentiated(primals, tangents):
       raise NotImplementedError(message)
 
-    return backward(residuals, cotangent)
+    return call(*(args[i] for i in dynamic))
 
-  primal.defvjp(fwd, guarded_bwd)
+  def guarded_fwd(*args):
+    return undifferentiable(fwd, *args)
+
+  def guarded_bwd(static, residuals, cotangent):
+    return undifferentiable(functools.partial(bwd, static), residuals, cotangent)
+
+  primal.defvjp(guarded_fwd, guarded_bwd)
 
   @functools.wraps(primal)
   def call(*args):

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdet._backend import as_array, check_float, use_interpret
+from jdet._backend import as_array, check_float, differentiable_once, use_interpret
 from pallas_kernels import attention as kernels
 
 
@@ -151,7 +151,8 @@ def _attention_backward(config, saved, dout):
   return dq, dk, dv, None, None
 
 
-_attention.defvjp(_attention_forward, _attention_backward)
+_attention = differentiable_once("dot_product_attention", _attention, _attention_forward,
+                                 _attention_backward)
 
 
 def dot_product_attention_reference(query, key, value, *, scale=None, is_causal=False,

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdet._backend import as_array, check_float, check_ndim, use_interpret
+from jdet._backend import as_array, check_float, check_ndim, differentiable_once, use_interpret
 from pallas_kernels import rms_norm as kernels
 
 
@@ -115,7 +115,7 @@ def _rms_norm_backward(config, saved, cotangents):
   return dx, dx if has_residual else None, dweight
 
 
-_rms_norm.defvjp(_rms_norm_forward, _rms_norm_backward)
+_rms_norm = differentiable_once("rms_norm", _rms_norm, _rms_norm_forward, _rms_norm_backward)
 
 
 def rms_norm_reference(x, weight, *, eps=1e-6, residual=None):

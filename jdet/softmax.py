@@ -15,7 +15,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 
-from jdet._backend import as_array, check_float, use_interpret
+from jdet._backend import as_array, check_float, differentiable_once, use_interpret
 from pallas_kernels import softmax as kernels
 
 @dataclasses.dataclass(frozen=True)
@@ -134,7 +134,7 @@ def _row_op_backward(config, saved, cotangent):
                                interpret=config.interpret),)
 
 
-_row_op.defvjp(_row_op_forward, _row_op_backward)
+_row_op = differentiable_once("softmax", _row_op, _row_op_forward, _row_op_backward)
 
 
 def _in_float32(fn, x, axis, **kwargs):

@@ -21,11 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdet._backend import as_array, check_float, check_ndim, use_interpret
+from jdet._backend import as_array, check_float, check_ndim, differentiable_once, use_interpret
 from jdet.matmul import _GemmConfig, _launch_at_b, _launch_matmul
-from pallas_kernels import matmul as gemm_kernels
 from pallas_kernels import softmax as kernels
-from pallas_kernels._common import pad_axis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,8 +113,7 @@ def token_logprobs(hidden, weight, tokens, *, temperature=1.0, interpret=None):
   dtype = jnp.result_type(hidden.dtype, weight.dtype)
   rows = hidden.reshape(-1, d).astype(dtype)
   token_ids = tokens.reshape(-1).astype(jnp.int32)
-  out = _token_logprobs(pad_axis(rows, 1, gemm_kernels.BLOCK_K),
-                        pad_axis(weight.astype(dtype), 0, gemm_kernels.BLOCK_K), token_ids, config)
+  out = _token_logprobs(rows, weight.astype(dtype), token_ids, config)
   in_range = (token_ids >= 0) & (token_ids < vocab)
   return jnp.where(in_range, out, jnp.nan).reshape(tokens.shape)
 
@@ -168,7 +165,7 @@ def _over_chunks(config: _TokenConfig, w, step, carry):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _token_logprobs(h, w, tokens, config: _TokenConfig):
-  """h: [T, Dp]; w: [Dp, V] (same dtype, Dp a multiple of 64); tokens: [T] int32."""
+  """h: [T, D]; w: [D, V] (same dtype); tokens: [T] int32."""
   return _token_logprobs_forward(h, w, tokens, config)[0]
 
 
@@ -188,8 +185,7 @@ def _token_logprobs_forward(h, w, tokens, config):
 
 def _token_logprobs_backward(config, saved, cotangent):
   h, w, tokens, m, s = saved
-  rows, dp = h.shape
-  h_rows = pad_axis(h, 0, gemm_kernels.BLOCK_K)[None]
+  rows, d = h.shape
   cotangent = cotangent.astype(jnp.float32)
 
   def step(first, w_chunk, carry):
@@ -199,20 +195,18 @@ def _token_logprobs_backward(config, saved, cotangent):
         inv_temperature=config.inv_temperature, out_dtype=h.dtype, tiles=config.tiles,
         interpret=config.interpret)
     # dhidden += dlogits @ w_chunkᵀ (the GEMM's dA, contracting the chunk in 64-wide steps).
-    dh = dh + _launch_matmul(
-        config.gemm, pad_axis(dlogits, 1, gemm_kernels.BLOCK_K)[None],
-        pad_axis(w_chunk, 1, gemm_kernels.BLOCK_K)[None], transpose_b=True,
-        out_dtype=jnp.float32)[0]
+    dh = dh + _launch_matmul(config.gemm, dlogits[None], w_chunk[None], transpose_b=True,
+                             out_dtype=jnp.float32)[0]
     # dweight[:, chunk] = hᵀ @ dlogits (the GEMM's dB: fixed 64-row blocks in order).
-    dw_chunk = _launch_at_b(config.gemm, h_rows, pad_axis(dlogits, 0, gemm_kernels.BLOCK_K)[None],
-                            out_dtype=w.dtype)[0]
+    dw_chunk = _launch_at_b(config.gemm, h[None], dlogits[None], out_dtype=w.dtype)[0]
     return dh, lax.dynamic_update_slice_in_dim(dw, dw_chunk, first, axis=1)
 
-  dh, dw = _over_chunks(config, w, step, (jnp.zeros((rows, dp), jnp.float32), jnp.zeros_like(w)))
+  dh, dw = _over_chunks(config, w, step, (jnp.zeros((rows, d), jnp.float32), jnp.zeros_like(w)))
   return dh.astype(h.dtype), dw, None
 
 
-_token_logprobs.defvjp(_token_logprobs_forward, _token_logprobs_backward)
+_token_logprobs = differentiable_once("token_logprobs", _token_logprobs,
+                                      _token_logprobs_forward, _token_logprobs_backward)
 
 
 def token_logprobs_reference(hidden, weight, tokens, *, temperature=1.0):

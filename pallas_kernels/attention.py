@@ -73,7 +73,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._common import (block_mask, cdiv, compiler_params, divide, dot_f32,
+from pallas_kernels._common import (block_mask, cdiv, compiler_params, divide, dot_f32, launcher,
                                     load_block, lookup_tiles, multiply, multiply_add,
                                     store_block)
 
@@ -584,7 +584,7 @@ def _rows_spec(block: int, width: int | None = None):
   return pl.BlockSpec((None, None, block, width), lambda i, b, h: (b, h, i, 0))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "causal", "tiles", "interpret", "split"))
+@launcher
 def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: bool,
                       tiles: AttentionTiles, interpret: bool, split: bool | None = None):
   """Forward attention.
@@ -658,7 +658,7 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
   return unpack_rows(op, t), lse
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "causal", "tiles", "interpret"))
+@launcher
 def attention_backward(q, k, v, out, lse, dout, kv_lengths, q_offsets, *, scale: float,
                        causal: bool, tiles: AttentionTiles, interpret: bool):
   """Gradients of :func:`attention_forward` from its output and log-sum-exp.

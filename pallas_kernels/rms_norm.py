@@ -46,7 +46,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._common import (block_mask, cdiv, compiler_params, load_block,
+from pallas_kernels._common import (block_mask, cdiv, compiler_params, launcher, load_block,
                                     store_block)
 
 
@@ -341,7 +341,7 @@ def _row_call(kernel, inputs, outputs, *, tiles: RmsNormTiles, rows: int, interp
   )(*(x for _, x in inputs))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "tiles", "interpret"))
+@launcher
 def rms_norm_forward(x, weight, residual=None, *, eps: float, tiles: RmsNormTiles,
                      interpret: bool):
   """x, residual: [M, H] (one float dtype); weight: [H] (any float).
@@ -363,7 +363,7 @@ def rms_norm_forward(x, weight, residual=None, *, eps: float, tiles: RmsNormTile
   return results[0], results[1] if has_residual else None, results[-1]
 
 
-@functools.partial(jax.jit, static_argnames=("tiles", "sum_tiles", "interpret"))
+@launcher
 def rms_norm_backward(x, weight, rstd, g, g_sum=None, *, tiles: RmsNormTiles,
                       sum_tiles: DweightTiles, interpret: bool):
   """x: [M, H] the normalised input; weight: [H]; rstd: [M] float32; g, g_sum:

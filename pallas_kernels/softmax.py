@@ -52,8 +52,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._common import (block_mask, cdiv, compiler_params, divide, multiply,
-                                    multiply_add, pad_axis, store_block)
+from pallas_kernels._common import (block_mask, cdiv, compiler_params, divide, launcher,
+                                    multiply, multiply_add, pad_axis, store_block)
 
 SOFTMAX, LOG_SOFTMAX, LOGSUMEXP = "softmax", "log_softmax", "logsumexp"
 KINDS = (SOFTMAX, LOG_SOFTMAX, LOGSUMEXP)
@@ -384,7 +384,7 @@ def _column(v):
   return v.reshape(-1, 1)
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "tiles", "interpret"))
+@launcher
 def row_forward(x, *, kind: str, tiles: SoftmaxTiles, interpret: bool):
   """x: [rows, L] bfloat16/float16/float32. Returns (y, m, s): y is [rows, L]
   (softmax, log_softmax) or [rows] (logsumexp) in x's dtype; m, s: [rows] float32."""
@@ -401,7 +401,7 @@ def row_forward(x, *, kind: str, tiles: SoftmaxTiles, interpret: bool):
   return y, m[:, 0], s[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("kind", "tiles", "interpret"))
+@launcher
 def row_backward(x, m, s, g, *, kind: str, tiles: SoftmaxTiles, interpret: bool):
   """x: [rows, L]; m, s: [rows] float32 (from :func:`row_forward`); g: the
   cotangent of y ([rows, L], or [rows] for logsumexp). Returns dx [rows, L] in x's dtype."""
@@ -417,7 +417,7 @@ def row_backward(x, m, s, g, *, kind: str, tiles: SoftmaxTiles, interpret: bool)
   return dx[:, :length]
 
 
-@functools.partial(jax.jit, static_argnames=("inv_temperature", "tiles", "interpret"))
+@launcher
 def token_chunk_update(logits, tokens, m, s, picked, *, inv_temperature: float,
                        tiles: SoftmaxTiles, interpret: bool):
   """logits: [T, c] float32 (one vocab chunk, before the temperature); tokens: [T]
@@ -443,7 +443,7 @@ def token_chunk_update(logits, tokens, m, s, picked, *, inv_temperature: float,
   return tuple(v[:, 0] for v in out)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
+@launcher
 def token_finalize(m, s, picked, *, interpret: bool):
   """m, s, picked: [T] float32 state after the last chunk; returns the [T] float32 log-probs."""
   rows = m.shape[0]
@@ -453,7 +453,7 @@ def token_finalize(m, s, picked, *, interpret: bool):
   return out[:, 0]
 
 
-@functools.partial(jax.jit, static_argnames=("inv_temperature", "out_dtype", "tiles", "interpret"))
+@launcher
 def token_chunk_backward(logits, tokens, m, s, g, *, inv_temperature: float, out_dtype,
                          tiles: SoftmaxTiles, interpret: bool):
   """logits: [T, c] float32 (before the temperature); tokens: [T] int32 relative

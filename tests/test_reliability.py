@@ -15,6 +15,9 @@ from jdet.testing import bits, relative_error
 A, B = jnp.ones((4, 64)) * 0.5, jnp.ones((64, 8)) * 0.25
 LOGITS = jnp.asarray(np.random.default_rng(0).standard_normal((2, 4, 4)), jnp.float32)
 TRI = jdet.gdn_chunk_matrices(jax.random.key(0), 2, 16)
+ROWS = jnp.asarray(np.random.default_rng(1).standard_normal((3, 40)), jnp.float32)
+TOKENS = jnp.asarray([1, 5, 7], jnp.int32)
+QKV = jnp.asarray(np.random.default_rng(2).standard_normal((1, 8, 2, 16)), jnp.float32)
 
 
 def _square_sum(fn):
@@ -29,9 +32,15 @@ OPS = [
     ("sinkhorn", functools.partial(jdet.sinkhorn, init="exp"), (LOGITS,), 0),
     ("sinkhorn", functools.partial(jdet.sinkhorn, grad="implicit"), (LOGITS,), 0),
     ("tri_inverse", jdet.tri_inverse, (TRI,), 0),
+    ("rms_norm", jdet.rms_norm, (ROWS, jnp.ones((40,))), 0),
+    ("softmax", jdet.log_softmax, (ROWS,), 0),
+    ("token_logprobs", lambda h, w: jdet.token_logprobs(h, w, TOKENS), (ROWS, jnp.tile(ROWS.T, 3)),
+     0),
+    ("dot_product_attention",
+     lambda q: jdet.dot_product_attention(q, QKV, QKV, is_causal=True), (QKV,), 0),
 ]
 IDS = ["matmul-dA", "matmul-dB", "sinkhorn", "sinkhorn-exp", "sinkhorn-implicit",
-       "tri_inverse"]
+       "tri_inverse", "rms_norm", "log_softmax", "token_logprobs", "attention"]
 
 
 def _grad_of_grad(fn, args, argnum):
