@@ -45,6 +45,9 @@ from jdet.testing import assert_bitwise_equal, random_normal, relative_error
 from jdet.tri_inverse import gdn_chunk_matrices
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+# Batch sizes every CPU check case tries besides the whole batch, single rows, padding
+# and vmap: each size compiles interpret-mode programs, which is most of the CPU time.
+CPU_CHECK_SIZES = (1, 3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +105,10 @@ MATMUL_QUICK = ((1, (64, 128)), (40, (64, 128)))  # CPU interpret: shapes that f
 
 
 def _matmul_check(full):
-  m, k, n = (1024, 4096, 4096) if full else (40, 96, 80)
+  m, k, n = (1024, 4096, 4096) if full else CPU_CHECK_SIZES
   a, b = random_normal(0, (m, k), jnp.bfloat16), random_normal(1, (k, n), jnp.bfloat16)
   reference = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
-  sizes = (1, 2, 3, 7, 16, 17, 100, 129, 1000) if full else (1, 2, 3, 7, 16, 17)
+  sizes = (1, 2, 3, 7, 16, 17, 100, 129, 1000) if full else CPU_CHECK_SIZES
   a32, b32 = a.astype(jnp.float32), b.astype(jnp.float32)
   return [
       Case("matmul", f"fwd bf16 [{m},{k}]x[{k},{n}]", jdet.matmul, (a, b), (0, None),
@@ -175,7 +178,7 @@ def _sinkhorn_check(full):
     tokens = (65536 if n == 4 else 16384) if full else 32
     logits = random_normal(10 + n, (tokens, n, n)) * 2
     # Each token count compiles its own kernels (~10 s for an unrolled backward).
-    sizes = (1, 7, 1000) if full else (1, 2, 7)
+    sizes = (1, 7, 1000) if full else CPU_CHECK_SIZES
     reference = jdet.sinkhorn_reference(logits)
     cases.append(Case("sinkhorn", f"fwd n={n} [{tokens},{n},{n}]", jdet.sinkhorn, (logits,),
                       (0,), lambda r=reference, x=logits: relative_error(jdet.sinkhorn(x), r),
@@ -259,7 +262,7 @@ def _tri_inverse_check(full):
     count = 4096 if full else 8
     a = gdn_chunk_matrices(jax.random.key(n), count, n)
     exact = np.linalg.inv(np.eye(n) - np.tril(np.asarray(a, np.float64), -1))
-    sizes = (1, 3, 64, 1000) if full else (1, 3)
+    sizes = (1, 3, 64, 1000) if full else CPU_CHECK_SIZES
     cases.append(Case("tri_inverse", f"fwd blocked n={n} [{count},{n},{n}]", jdet.tri_inverse,
                       (a,), (0,), lambda x=a, e=exact: relative_error(jdet.tri_inverse(x), e),
                       1e-5, sizes))
@@ -318,7 +321,7 @@ def _causal_attention(q, k, v):
 
 
 def _attention_check(full):
-  b, t, n, kv, h = (8, 1024, 32, 8, 128) if full else (4, 20, 4, 2, 16)
+  b, t, n, kv, h = (8, 1024, 32, 8, 128) if full else CPU_CHECK_SIZES
   q = random_normal(20, (b, t, n, h), jnp.bfloat16)
   k, v = (random_normal(21 + i, (b, t, kv, h), jnp.bfloat16) for i in range(2))
   ref = jdet.dot_product_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
@@ -328,7 +331,7 @@ def _attention_check(full):
 
   reference = functools.partial(jdet.dot_product_attention_reference, is_causal=True)
   f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-  sizes = (1, 2, 3, 7) if full else (1, 2, 3)
+  sizes = (1, 2, 3, 7) if full else CPU_CHECK_SIZES
   return [Case("dot_product_attention", f"causal fwd bf16 q{q.shape} kv{k.shape}",
                _causal_attention, (q, k, v), (0, 0, 0),
                lambda: relative_error(_causal_attention(q, k, v).astype(jnp.float32), ref),
@@ -431,11 +434,11 @@ def _rms_norm_float64(h, w, eps=1e-6):
 
 
 def _rms_norm_check(full):
-  m, h = (4096, 8192) if full else (40, 200)
+  m, h = (4096, 8192) if full else CPU_CHECK_SIZES
   x, r = random_normal(20, (m, h), jnp.bfloat16), random_normal(21, (m, h), jnp.bfloat16)
   w = random_normal(22, (h,)) + 1.0
   # Each row count compiles its own interpret-mode program on a CPU: keep few there.
-  sizes = (1, 2, 3, 7, 16, 17, 100, 1000) if full else (1, 7, 17)
+  sizes = (1, 2, 3, 7, 16, 17, 100, 1000) if full else CPU_CHECK_SIZES
   fused = lambda x, r, w: jdet.rms_norm(x, w, residual=r)
   x32, r32 = x.astype(jnp.float32), r.astype(jnp.float32)
   plain_grad = lambda x, w: _row_grad(lambda x: jdet.rms_norm(x, w))(x)
@@ -548,9 +551,9 @@ def _softmax_float64(name, x):
 
 
 def _softmax_check(full):
-  m, n = (4096, 151936) if full else (24, 300)
+  m, n = (4096, 151936) if full else CPU_CHECK_SIZES
   x = random_normal(30, (m, n)) * 3
-  sizes = (1, 2, 3, 7, 17, 100, 1000) if full else (1, 7)
+  sizes = (1, 2, 3, 7, 17, 100, 1000) if full else CPU_CHECK_SIZES
   cases = []
   for name, (fn, _, reference) in SOFTMAX_OPS.items():
     cases.append(Case(name, f"fwd f32 [{m},{n}]", fn, (x,), (0,),
@@ -567,21 +570,25 @@ def _softmax_check(full):
 
 def softmax_bench_cases(shapes, *, names=("softmax", "log_softmax")):
   """Forward and forward+backward against jax.nn for (rows, length, dtype) shapes. The
-  HBM floor: read x, write y (forward); plus read x and dy, write dx (backward)."""
+  HBM floor: read x, write y (forward); plus read x and dy, write dx (backward);
+  logsumexp's y and dy are one value a row."""
   cases = []
   for m, n, dtype in shapes:
     array_bytes = m * n * jnp.dtype(dtype).itemsize
-
-    def make_args(seed, m=m, n=n, dtype=dtype):
-      return random_normal(2 * seed, (m, n), dtype), random_normal(2 * seed + 1, (m, n), dtype)
-
     for name in names:
+      reduces = name == "logsumexp"
+
+      def make_args(seed, m=m, n=n, dtype=dtype, reduces=reduces):
+        return (random_normal(2 * seed, (m, n), dtype),
+                random_normal(2 * seed + 1, (m,) if reduces else (m, n), dtype))
+
       ours, xla, _ = SOFTMAX_OPS[name]
-      for pass_, wrap, moved in (("fwd", lambda f: _first_args(f, 1), 2 * array_bytes),
-                                 ("fwd+bwd", _forward_and_backward, 5 * array_bytes)):
+      moved = ((1, 3) if reduces else (2, 5))
+      for pass_, wrap, arrays in (("fwd", lambda f: _first_args(f, 1), moved[0]),
+                                  ("fwd+bwd", _forward_and_backward, moved[1])):
         cases.append(BenchCase(name, f"{m} x {n} {jnp.dtype(dtype).name}", pass_, wrap(ours),
                                f"jax.nn.{name}", wrap(xla), make_args, 2 * array_bytes,
-                               bytes_moved=moved))
+                               bytes_moved=arrays * array_bytes))
   return cases
 
 
@@ -648,9 +655,9 @@ def _token_logprobs_inputs(seed, t_rows, d, vocab):
 
 
 def _token_logprobs_check(full):
-  t_rows, d, vocab = (4096, 4096, 151936) if full else (24, 40, 300)
+  t_rows, d, vocab = (4096, 4096, 151936) if full else CPU_CHECK_SIZES
   h, w, t = _token_logprobs_inputs(0, t_rows, d, vocab)
-  sizes = (1, 2, 3, 7, 17, 100, 1000) if full else (1, 7)
+  sizes = (1, 2, 3, 7, 17, 100, 1000) if full else CPU_CHECK_SIZES
   dhidden = lambda h, w, t: _row_grad(_token_logprobs)(h, w, t)
   h32, w32 = h.astype(jnp.float32), w.astype(jnp.float32)
   reference_dh = jax.grad(lambda h: 0.5 * jnp.sum(jdet.token_logprobs_reference(
