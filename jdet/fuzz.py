@@ -20,7 +20,6 @@ command that replays the trial.
 from __future__ import annotations
 
 import functools
-import sys
 import time
 import zlib
 
@@ -30,7 +29,7 @@ import numpy as np
 from jax import lax
 
 import jdet
-from jdet.bench import on_gpu
+from jdet.bench import on_gpu, progress_bar
 from jdet.testing import assert_bitwise_equal
 
 ON_GPU = on_gpu()
@@ -232,17 +231,17 @@ def main(ops, trials: int, seed: int) -> int:
   device = jax.devices()[0]
   print(f"jdet fuzz on {device.device_kind} ({device.platform}), jax {jax.__version__}: "
         f"{trials} trials per op, seed {seed}")
+  from jdet._registry import OPS
   failed = 0
-  for op in ops or GENERATORS:
+  for op in ops or OPS:
     start, failures = time.perf_counter(), []
     for index in range(trials):
+      progress_bar(index, trials, op)
       try:
         run_trial(op, seed=seed, index=index)
       except AssertionError as err:
         failures.append(str(err))
-      sys.stderr.write(f"\r{op}: {index + 1}/{trials}")
-      sys.stderr.flush()
-    sys.stderr.write("\n")
+    progress_bar(trials, trials, op)
     seconds = time.perf_counter() - start
     print(f"{op}: {trials - len(failures)} of {trials} trials passed in {seconds:.0f} s")
     for message in failures:
