@@ -120,6 +120,14 @@ def reciprocal(x, *, approx: bool):
   return _ptx_f32("rcp.approx.ftz.f32 $0, $1;", x) if approx else 1.0 / x
 
 
+def uncontracted(x, *, native: bool):
+  """``x`` as a value of its own in interpret mode (an optimization barrier), so
+  that XLA:CPU cannot contract the multiply that made it into a later add or
+  reduction, which it decides per program (a loop with one trip is inlined into
+  its surroundings, say); unchanged on the GPU."""
+  return x if native else lax.optimization_barrier(x)
+
+
 def multiply_add(a, b, c, *, fused: bool):
   """Elementwise float32 ``a * b + c``, inside a kernel; operands broadcast.
 
@@ -196,6 +204,7 @@ __all__ = [
     "lookup_tiles",
     "multiply",
     "multiply_add",
+    "uncontracted",
     "pad_axis",
     "reciprocal",
     "store_block",

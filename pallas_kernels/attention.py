@@ -75,7 +75,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params, divide, dot_f32, launcher,
                                     load_block, lookup_tiles, multiply, multiply_add,
-                                    store_block)
+                                    store_block, uncontracted)
 
 LOG2E = math.log2(math.e)
 ONES_COLUMNS = 16  # width of the ones matrix whose product gives the row sums
@@ -164,16 +164,11 @@ def unpack_rows(x, seq_len: int):
 # Elementwise pieces shared by every kernel.
 
 
-def _barrier(x, native: bool):
-  """In interpret mode, keeps XLA:CPU from contracting ``x`` into a later add."""
-  return x if native else lax.optimization_barrier(x)
-
-
 def _mul(a, b, native: bool):
   """``a * b`` rounded on its own whatever consumes it: one ``mul.rn.f32`` on the
   GPU (neither LLVM nor ptxas fuses an instruction with an explicit rounding
   mode into a later add), an optimization barrier in interpret mode."""
-  return multiply(a, b) if native else lax.optimization_barrier(a * b)
+  return multiply(a, b) if native else uncontracted(a * b, native=False)
 
 
 def _fma(a, b, c, native: bool):
@@ -221,7 +216,8 @@ def _finalize(state, native: bool):
   m, l, acc = state
   has_keys = l > 0
   out = divide(acc, jnp.where(has_keys, l, 1.0)[:, None], native=native)
-  lse = jnp.where(has_keys, _barrier(jnp.log2(jnp.where(has_keys, l, 1.0)), native) + m,
+  log_l = uncontracted(jnp.log2(jnp.where(has_keys, l, 1.0)), native=native)
+  lse = jnp.where(has_keys, log_l + m,
                   jnp.inf)
   return out, lse
 
@@ -293,8 +289,9 @@ def _block_step(kb, state, *, q, k_ref, v_ref, base, row_pos, key_limit, masked:
   alpha = jnp.exp2(m - shift)
   p = jnp.exp2(s - shift[:, None]).astype(v.dtype)
   ones = jnp.ones((bk, ONES_COLUMNS), v.dtype)
-  l_block = jnp.max(_barrier(dot_f32(p, ones, precision=st.precision), st.native), axis=1)
-  pv = _barrier(dot_f32(p, v, precision=st.precision), st.native)
+  l_block = jnp.max(uncontracted(dot_f32(p, ones, precision=st.precision), native=st.native),
+                    axis=1)
+  pv = uncontracted(dot_f32(p, v, precision=st.precision), native=st.native)
   return m_new, _fma(l, alpha, l_block, st.native), _fma(acc, alpha[:, None], pv, st.native)
 
 
@@ -488,12 +485,12 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
     row_pos = _row_positions(row_start, bq, st.group, offset)
     mask = _backward_mask(keys, key_ok, rows_ok, row_pos, st) if masked else None
     p = _probabilities(q, k, lse, mask, st)
-    dv = dv + _barrier(dot_f32(p.astype(do.dtype), do, trans_a=True, precision=st.precision),
-                       st.native)
+    dv = dv + uncontracted(dot_f32(p.astype(do.dtype), do, trans_a=True, precision=st.precision),
+                           native=st.native)
     dp = dot_f32(do, v, trans_b=True, precision=st.precision)
     ds = p * (dp - delta[:, None])
-    dk = dk + _barrier(dot_f32(ds.astype(q.dtype), q, trans_a=True, precision=st.precision),
-                       st.native)
+    dk = dk + uncontracted(dot_f32(ds.astype(q.dtype), q, trans_a=True, precision=st.precision),
+                           native=st.native)
     return dk, dv
 
   # Row blocks from clear_start on see every key of this block (all valid).
@@ -543,7 +540,8 @@ def attention_dq_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref
     p = _probabilities(q, k, lse, mask, st)
     dp = dot_f32(do, v, trans_b=True, precision=st.precision)
     ds = p * (dp - delta[:, None])
-    return dq + _barrier(dot_f32(ds.astype(k.dtype), k, precision=st.precision), st.native)
+    return dq + uncontracted(dot_f32(ds.astype(k.dtype), k, precision=st.precision),
+                             native=st.native)
 
   clear = key_limit
   if st.causal:

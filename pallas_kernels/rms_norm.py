@@ -285,9 +285,11 @@ def rms_norm_dx_kernel(*refs, h: int, m: int, block_rows: int, chunk: int,
       updated.append(sums[k] + g * xhat)
     return tuple(updated)
 
-  # Row blocks past the last row would add exact zeros; skip them.
-  steps = jnp.minimum(chunk_rows // block_rows, cdiv(m - first_row, block_rows))
-  sums = lax.fori_loop(0, steps, step, (jnp.zeros((block_rows, chunk), jnp.float32),) * count)
+  # Every program walks all its row blocks, even past the last row (they add exact
+  # zeros): with a trip count that depended on M, XLA:CPU compiled the loop
+  # differently (one trip is inlined) and rounded the partial differently.
+  sums = lax.fori_loop(0, chunk_rows // block_rows, step,
+                       (jnp.zeros((block_rows, chunk), jnp.float32),) * count)
   write_vector = _chunks(None, h, chunk)[3]
   for k, total in enumerate(sums):
     write_vector(p_ref, k, jnp.sum(total, axis=0))
