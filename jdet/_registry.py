@@ -105,7 +105,7 @@ MATMUL_QUICK = ((1, (64, 128)), (40, (64, 128)))  # CPU interpret: shapes that f
 
 
 def _matmul_check(full):
-  m, k, n = (1024, 4096, 4096) if full else CPU_CHECK_SIZES
+  m, k, n = (1024, 4096, 4096) if full else (40, 96, 80)
   a, b = random_normal(0, (m, k), jnp.bfloat16), random_normal(1, (k, n), jnp.bfloat16)
   reference = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
   sizes = (1, 2, 3, 7, 16, 17, 100, 129, 1000) if full else CPU_CHECK_SIZES
@@ -321,7 +321,7 @@ def _causal_attention(q, k, v):
 
 
 def _attention_check(full):
-  b, t, n, kv, h = (8, 1024, 32, 8, 128) if full else CPU_CHECK_SIZES
+  b, t, n, kv, h = (8, 1024, 32, 8, 128) if full else (4, 20, 4, 2, 16)
   q = random_normal(20, (b, t, n, h), jnp.bfloat16)
   k, v = (random_normal(21 + i, (b, t, kv, h), jnp.bfloat16) for i in range(2))
   ref = jdet.dot_product_attention_reference(q.astype(jnp.float32), k.astype(jnp.float32),
@@ -434,7 +434,7 @@ def _rms_norm_float64(h, w, eps=1e-6):
 
 
 def _rms_norm_check(full):
-  m, h = (4096, 8192) if full else CPU_CHECK_SIZES
+  m, h = (4096, 8192) if full else (40, 200)
   x, r = random_normal(20, (m, h), jnp.bfloat16), random_normal(21, (m, h), jnp.bfloat16)
   w = random_normal(22, (h,)) + 1.0
   # Each row count compiles its own interpret-mode program on a CPU: keep few there.
@@ -551,7 +551,7 @@ def _softmax_float64(name, x):
 
 
 def _softmax_check(full):
-  m, n = (4096, 151936) if full else CPU_CHECK_SIZES
+  m, n = (4096, 151936) if full else (24, 300)
   x = random_normal(30, (m, n)) * 3
   sizes = (1, 2, 3, 7, 17, 100, 1000) if full else CPU_CHECK_SIZES
   cases = []
@@ -655,7 +655,7 @@ def _token_logprobs_inputs(seed, t_rows, d, vocab):
 
 
 def _token_logprobs_check(full):
-  t_rows, d, vocab = (4096, 4096, 151936) if full else CPU_CHECK_SIZES
+  t_rows, d, vocab = (4096, 4096, 151936) if full else (24, 40, 300)
   h, w, t = _token_logprobs_inputs(0, t_rows, d, vocab)
   sizes = (1, 2, 3, 7, 17, 100, 1000) if full else CPU_CHECK_SIZES
   dhidden = lambda h, w, t: _row_grad(_token_logprobs)(h, w, t)
