@@ -14,19 +14,18 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
 from jax import lax
 
 import jdet
-from jdet.testing import assert_bitwise_equal
+from jdet.testing import assert_bitwise_equal, random_normal
 from jdet.bench import on_gpu
 
 CHUNKS = 2
 
 
 def _normal(seed, shape, scale=1.0):
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, jnp.float32)
+  return random_normal(seed, shape) * scale
 
 
 def _vjp(fn, argnum=0):
