@@ -62,18 +62,26 @@ def launcher(fn):
   keyword_only = tuple(name for name, p in inspect.signature(fn).parameters.items()
                        if p.kind is inspect.Parameter.KEYWORD_ONLY)
   jitted = jax.jit(fn, static_argnames=keyword_only)
+  executables = {}
 
   @functools.wraps(fn)
   def launch(*arrays, **options):
     if not options.get("interpret"):
       return jitted(*arrays, **options)
-    run = functools.partial(jitted, **options)
+    avals = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), arrays)
+    key = (tuple(sorted(options.items())), jax.tree.structure(avals),
+           tuple((a.shape, a.dtype) for a in jax.tree.leaves(avals)))
+    # Compiled here, while the caller traces: compiling inside the callback, while
+    # an XLA:CPU program is running, crashed the process now and then.
+    if key not in executables:
+      executables[key] = jitted.lower(*avals, **options).compile()
+    executable = executables[key]
 
     def host(*values):
-      return jax.tree.map(np.asarray, run(*values))
+      return jax.tree.map(np.asarray, executable(*values))
 
-    return jax.pure_callback(host, jax.eval_shape(run, *arrays), *arrays,
-                             vmap_method="sequential")
+    result = jax.eval_shape(functools.partial(jitted, **options), *arrays)
+    return jax.pure_callback(host, result, *arrays, vmap_method="sequential")
 
   return launch
 
