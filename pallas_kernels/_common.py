@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 
@@ -40,6 +41,17 @@ def compiler_params(num_warps: int, num_stages: int) -> pltriton.CompilerParams:
   return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
+MAX_INTERPRET_EXECUTABLES = 16
+_INTERPRET_EXECUTABLES = []  # every launcher's cache, for clear_interpret_executables
+
+
+def clear_interpret_executables():
+  """Drops the launchers' compiled interpret-mode kernels (``jax.clear_caches`` does
+  not reach them)."""
+  for cache in _INTERPRET_EXECUTABLES:
+    cache.clear()
+
+
 def launcher(fn):
   """Declares ``fn`` a kernel launcher: ``jax.jit`` with every keyword-only
   argument static and, with ``interpret=True``, a program of its own.
@@ -62,7 +74,10 @@ def launcher(fn):
   keyword_only = tuple(name for name, p in inspect.signature(fn).parameters.items()
                        if p.kind is inspect.Parameter.KEYWORD_ONLY)
   jitted = jax.jit(fn, static_argnames=keyword_only)
-  executables = {}
+  # The most recently used compiled kernels: each holds JIT code pages, and a
+  # process may map only so many (vm.max_map_count), so the cache is bounded.
+  executables = collections.OrderedDict()
+  _INTERPRET_EXECUTABLES.append(executables)
 
   @functools.wraps(fn)
   def launch(*arrays, **options):
@@ -75,6 +90,9 @@ def launcher(fn):
     # an XLA:CPU program is running, crashed the process now and then.
     if key not in executables:
       executables[key] = jitted.lower(*avals, **options).compile()
+      if len(executables) > MAX_INTERPRET_EXECUTABLES:
+        executables.popitem(last=False)
+    executables.move_to_end(key)
     executable = executables[key]
 
     def host(*values):
@@ -203,6 +221,7 @@ def multiply(a, b):
 
 __all__ = [
     "block_mask",
+    "clear_interpret_executables",
     "cdiv",
     "compiler_params",
     "divide",

@@ -2,9 +2,11 @@
 
 import importlib.util
 
+import jax
 import pytest
 
 from jdet.bench import on_gpu
+from pallas_kernels._common import clear_interpret_executables
 
 
 def pytest_collection_modifyitems(config, items):
@@ -28,3 +30,13 @@ def _matmul_backends():
 @pytest.fixture(params=_matmul_backends())
 def matmul_backend(request):
   return request.param
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+  """Drops jax's compiled programs after each test module: every XLA:CPU executable
+  keeps JIT code mapped, and the whole suite's would pass the kernel's limit on a
+  process's memory maps (vm.max_map_count; the suite crashed with SIGSEGV in a compile)."""
+  yield
+  jax.clear_caches()
+  clear_interpret_executables()
