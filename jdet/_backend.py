@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 
+import math
+import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -98,6 +100,22 @@ def check_precision(name: str, precision, default: lax.Precision | None):
       f"{name} must be None, a jax.lax.Precision (DEFAULT, HIGH, HIGHEST), its name, "
       f"a string jax.lax.Precision accepts (e.g. 'highest', 'float32', 'tensorfloat32') "
       f"or a pair of equal ones; got {precision!r}")
+
+
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def check_eps(eps) -> float:
+  """``eps`` as a Python float, or TypeError/ValueError unless it is a positive normal
+  float32 (the kernels compute in float32: 1e-50 would be 0 there)."""
+  if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+    raise TypeError(f"eps must be a Python float, got {type(eps).__name__}")
+  if not (math.isfinite(eps) and _FLOAT32_TINY <= eps <= _FLOAT32_MAX):
+    raise ValueError(
+        f"eps must be a positive normal float32 ({_FLOAT32_TINY:.3g} <= eps <= "
+        f"{_FLOAT32_MAX:.3g}: the kernels compute in float32), got {eps}")
+  return float(eps)
 
 
 def differentiable_once(op: str, primal, fwd, bwd):

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import numbers
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jdet._backend import as_array, check_float, check_ndim, differentiable_once, use_interpret
+from jdet._backend import (as_array, check_eps, check_float, check_ndim, differentiable_once,
+                           use_interpret)
 from pallas_kernels import rms_norm as kernels
 
 
@@ -69,7 +68,7 @@ def rms_norm(x, weight, *, eps=1e-6, residual=None, interpret=None):
       raise ValueError(f"residual must have x's shape {x.shape}, got {residual.shape}")
     if residual.dtype != x.dtype:
       raise TypeError(f"residual must have x's dtype {x.dtype}, got {residual.dtype}")
-  config = _RmsNormConfig(_check_eps(eps), use_interpret(interpret, x, weight))
+  config = _RmsNormConfig(check_eps(eps), use_interpret(interpret, x, weight))
   if x.size == 0:
     empty = jnp.zeros(x.shape, x.dtype)
     return empty if residual is None else (empty, empty)
@@ -78,14 +77,6 @@ def rms_norm(x, weight, *, eps=1e-6, residual=None, interpret=None):
   if residual is None:
     return y.reshape(x.shape)
   return y.reshape(x.shape), total.reshape(x.shape)
-
-
-def _check_eps(eps) -> float:
-  if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-    raise TypeError(f"eps must be a Python float, got {type(eps).__name__}")
-  if not (math.isfinite(eps) and eps > 0):
-    raise ValueError(f"eps must be a finite number > 0, got {eps}")
-  return float(eps)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

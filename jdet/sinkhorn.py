@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import numbers
 import operator
 
@@ -13,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdet._backend import (as_array, check_float, check_ndim, differentiable_once,
+from jdet._backend import (as_array, check_eps, check_float, check_ndim, differentiable_once,
                            use_interpret)
 from pallas_kernels import sinkhorn as kernels
 
@@ -22,8 +21,6 @@ GRADS = ("unrolled", "implicit")
 # iterates segment by segment, so its work grows with iters squared over the
 # segment length; 10,000 iterations is far past convergence for any n <= 16.
 MAX_ITERS = 10_000
-_FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest normal float32
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +84,7 @@ def sinkhorn(logits, *, iters=20, eps=1e-6, init="softmax", grad="unrolled", int
   if not 1 <= n <= kernels.MAX_N:
     raise ValueError(f"logits must have 1 <= n <= {kernels.MAX_N}, got n = {n} "
                      f"(shape {logits.shape})")
-  config = _SinkhornConfig(n, _check_iters(iters), _check_eps(eps), _check_choice(
+  config = _SinkhornConfig(n, _check_iters(iters), check_eps(eps), _check_choice(
       "init", init, kernels.INITS), _check_choice("grad", grad, GRADS), dtype,
                            use_interpret(interpret, logits))
   if logits.size == 0:
@@ -101,16 +98,6 @@ def _check_iters(iters) -> int:
   if not 1 <= iters <= MAX_ITERS:
     raise ValueError(f"iters must be >= 1 and <= MAX_ITERS = {MAX_ITERS}, got {iters}")
   return int(iters)
-
-
-def _check_eps(eps) -> float:
-  if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
-    raise TypeError(f"eps must be a Python float, got {type(eps).__name__}")
-  if not (math.isfinite(eps) and _FLOAT32_TINY <= eps <= _FLOAT32_MAX):
-    raise ValueError(
-        f"eps must be a positive normal float32 ({_FLOAT32_TINY:.3g} <= eps <= "
-        f"{_FLOAT32_MAX:.3g}: the kernels compute in float32), got {eps}")
-  return float(eps)
 
 
 def _check_choice(name: str, value, choices) -> str:
