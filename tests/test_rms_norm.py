@@ -200,6 +200,7 @@ def test_inside_a_jitted_model():
     (dict(x="abc"), TypeError, "x must be an array"),
     (dict(eps=0.0), ValueError, "eps must be"),
     (dict(eps=-1e-6), ValueError, "eps must be"),
+    (dict(eps=1e-50), ValueError, "eps must be"),  # 0 in float32
     (dict(eps=float("nan")), ValueError, "eps must be"),
     (dict(eps=float("inf")), ValueError, "eps must be"),
     (dict(eps="1e-6"), TypeError, "eps must be"),
