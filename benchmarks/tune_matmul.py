@@ -5,7 +5,7 @@ Writes nothing: its printed tables are the measurement behind the tile tables in
 Run: ``PYTHONPATH=. python3 benchmarks/tune_matmul.py [--m 1 16 64 256]
 [--hopper-m 1024 4096] [--row-tiles-m 200 448]``; ``--hopper-m`` sweeps only
 the Hopper kernel's strip configs (forward, dA, dB) at those M;
-``--row-tiles-m`` its forward/dA tiles against the dispatcher's pick;
+``--row-tiles-m`` its forward/dA tiles against the plan's pick;
 ``--at-b`` the Triton dB kernel's tiles.
 """
 
@@ -21,6 +21,10 @@ from jdet import bench
 from jdet.testing import random_normal
 from pallas_kernels import hopper_matmul as hopper
 from pallas_kernels import matmul as kernels
+from pallas_kernels import matmul_plan
+from pallas_kernels.matmul import Layout
+
+bf16 = jnp.dtype(jnp.bfloat16)
 
 T = kernels.MatmulTiles
 # Forward/dA candidates per M: the ladder's tiles at several stage counts.
@@ -51,25 +55,26 @@ def _hopper_passes(m, k, n):
   triton = functools.partial(kernels.matmul, out_dtype=jnp.bfloat16, precision=None,
                              interpret=False)
   at_b = functools.partial(kernels.matmul_at_b, out_dtype=jnp.bfloat16, precision=None,
-                           tiles=kernels.at_b_tiles(k, n, 2, interpret=False), interpret=False)
-  fwd_tiles = kernels.matmul_tiles(m, n, 2, interpret=False)
-  da_tiles = kernels.matmul_tiles(m, k, 2, interpret=False)
+                           tiles=matmul_plan.triton_tiles(Layout.TN, k, n, bf16, bf16),
+                           interpret=False)
+  fwd_tiles = matmul_plan.triton_tiles(Layout.NN, m, n, bf16, bf16)
+  da_tiles = matmul_plan.triton_tiles(Layout.NT, m, k, bf16, bf16)
   return (
       ("fwd", jnp.dot, lambda x, y: triton(x[None], y[None], transpose_b=False,
                                            tiles=fwd_tiles)[0],
-       hopper.Layout.NN, list(zip(a, b))),
+       Layout.NN, list(zip(a, b))),
       ("dA", lambda x, y: jnp.dot(x, y.T),
        lambda x, y: triton(x[None], y[None], transpose_b=True, tiles=da_tiles)[0],
-       hopper.Layout.NT, list(zip(d, b))),
+       Layout.NT, list(zip(d, b))),
       ("dB", lambda x, y: jnp.dot(x.T, y), lambda x, y: at_b(x[None], y[None])[0],
-       hopper.Layout.TN, list(zip(a, d))),
+       Layout.TN, list(zip(a, d))),
   )
 
 
 def _time_hopper(layout, tiles, args, reference):
   """(microseconds, whether the bits equal ``reference``) of one Hopper config."""
   fn = functools.partial(hopper.matmul, layout=layout, out_dtype=jnp.bfloat16,
-                         tiles=hopper.fit_stages(tiles, jnp.bfloat16, jnp.bfloat16))
+                         tiles=kernels.fit_stages(tiles, bf16, bf16))
   same = np.array_equal(np.asarray(fn(*args[0])).view(np.uint16), reference)
   return bench.time_us(fn, args), same
 
@@ -97,7 +102,7 @@ def hopper_sweep(m_values):
 
 
 def row_tile_sweep(m_values):
-  """Forward and dA at each M: XLA, the dispatcher's pick (a Hopper tile or the
+  """Forward and dA at each M: XLA, the plan's pick (a Hopper tile or the
   Triton ladder's) and every Hopper forward/dA tile (XLA time / kernel time;
   bits against the pick)."""
   name = lambda t: f"{t.block_m}x{t.block_cols}"
@@ -108,8 +113,9 @@ def row_tile_sweep(m_values):
   for m in m_values:
     for k, n in HOPPER_KN:
       for pass_, xla_fn, triton_fn, layout, args in _hopper_passes(m, k, n)[:2]:
-        cols = n if layout is hopper.Layout.NN else k
-        pick = hopper.tiles_for(layout, m, cols, jnp.bfloat16, jnp.bfloat16)
+        cols, depth = (n, k) if layout is Layout.NN else (k, n)
+        plan = matmul_plan.plan(layout, m, cols, depth, dtype=bf16, out_dtype=bf16)
+        pick = plan.tiles if plan.kernel is matmul_plan.Kernel.MOSAIC_GPU else None
         pick_fn = (functools.partial(hopper.matmul, layout=layout, out_dtype=jnp.bfloat16,
                                      tiles=pick) if pick else triton_fn)
         xla = bench.time_us(xla_fn, args)
@@ -118,7 +124,7 @@ def row_tile_sweep(m_values):
         cells = []
         for tiles in hopper.ROW_TILES:
           times[tiles], same = _time_hopper(layout, tiles, args, reference)
-          times[hopper.fit_stages(tiles, jnp.bfloat16, jnp.bfloat16)] = times[tiles]
+          times[kernels.fit_stages(tiles, bf16, bf16)] = times[tiles]
           cells.append(f"{xla / times[tiles]:.2f}{'' if same else ' BITS DIFFER'}")
         pick_us = times[pick] if pick else bench.time_us(pick_fn, args)
         pick_name = name(pick) if pick else "Triton ladder"
@@ -144,7 +150,7 @@ def ladder_sweep(m_values):
         args = list(zip(a, bs))
         xla = bench.time_us(
             lambda x, y: jnp.dot(x[0], y[0].T if transpose_b else y[0]), args)
-        pick = kernels.matmul_tiles(m, cols, 2, interpret=False)
+        pick = matmul_plan.triton_tiles(Layout.NN, m, cols, bf16, bf16)
         reference = np.asarray(triton(*args[0], transpose_b=transpose_b, tiles=pick))
         results = []
         for tiles in [pick, *LADDER_CANDIDATES[m]]:

@@ -102,6 +102,25 @@ def _split_check(fn, x, rng, *, what):
 MATMUL_BENCH_M = (1, 16, 64, 256, 512, 1024, 4096, 16384)
 MATMUL_BENCH_KN = ((4096, 4096), (4096, 12288), (4096, 14336), (14336, 4096), (4096, 32000))
 MATMUL_QUICK = ((1, (64, 128)), (40, (64, 128)))  # CPU interpret: shapes that finish
+# The shape-general grid (`benchmarks/bench_matmul.py --grid`): real models' weights
+# (K, N), bf16, and token counts between and beyond the tile sizes.
+MATMUL_MODEL_WEIGHTS = {
+    "llama3-8b qkv": (4096, 6144), "llama3-8b o": (4096, 4096),
+    "llama3-8b gate_up": (4096, 28672), "llama3-8b down": (14336, 4096),
+    "llama3-8b lm_head": (4096, 128256),
+    "llama3-70b qkv": (8192, 10240), "llama3-70b o": (8192, 8192),
+    "llama3-70b gate_up": (8192, 57344), "llama3-70b down": (28672, 8192),
+    "llama3-70b lm_head": (8192, 128256),
+    "qwen2.5-7b qkv": (3584, 4608), "qwen2.5-7b o": (3584, 3584),
+    "qwen2.5-7b gate_up": (3584, 37888), "qwen2.5-7b down": (18944, 3584),
+    "qwen2.5-7b lm_head": (3584, 152064),
+    "qwen3-30b-a3b expert gate_up": (2048, 1536), "qwen3-30b-a3b expert down": (768, 2048),
+    "mid 5120x13824": (5120, 13824), "mid 13824x5120": (13824, 5120),
+    "unaligned 3000x1000": (3000, 1000), "unaligned 1000x3000": (1000, 3000),
+    "unaligned 4100x2050": (4100, 2050),
+}
+MATMUL_GRID_M = (1, 2, 3, 5, 8, 13, 16, 31, 64, 100, 128, 200, 256, 300, 384, 448, 512, 640,
+                 777, 1000, 1024, 1536, 2000, 2048, 3000, 4096, 6000, 8192, 16384)
 
 
 def _matmul_check(full):
@@ -120,8 +139,9 @@ def _matmul_check(full):
   ]
 
 
-def matmul_bench_cases(shapes, *, backends=("pallas",), dtype=jnp.bfloat16):
-  """Forward and forward+backward cases for (M, (K, N)) shapes, one per jdet backend."""
+def matmul_bench_cases(shapes, *, backends=("pallas",), dtype=jnp.bfloat16,
+                       passes=("fwd", "fwd+bwd")):
+  """Forward and/or forward+backward cases for (M, (K, N)) shapes, one per jdet backend."""
   cases = []
   for m, (k, n) in shapes:
     def make_args(seed, m=m, k=k, n=n):
@@ -132,11 +152,13 @@ def matmul_bench_cases(shapes, *, backends=("pallas",), dtype=jnp.bfloat16):
     for backend in backends:
       op = "matmul" if backend == "pallas" else f"matmul[{backend}]"
       ours = functools.partial(jdet.matmul, backend=backend)
-      for pass_, wrap, passes in (("fwd", lambda f: _first_args(f, 2), 1),
-                                  ("fwd+bwd", _forward_and_backward, 3)):
+      for pass_, wrap, gemms in (("fwd", lambda f: _first_args(f, 2), 1),
+                                 ("fwd+bwd", _forward_and_backward, 3)):
+        if pass_ not in passes:
+          continue
         cases.append(BenchCase(
             op, f"M={m} K={k} N={n}", pass_, wrap(ours), "jnp.dot (XLA)", wrap(jnp.dot),
-            make_args, set_bytes, flops=2.0 * m * k * n * passes))
+            make_args, set_bytes, flops=2.0 * m * k * n * gemms))
   return cases
 
 

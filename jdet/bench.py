@@ -129,9 +129,11 @@ def _gpu_cells(case: BenchCase, jdet_us: float) -> dict[str, str]:
 
 
 def run_cases(cases: Sequence[BenchCase], *, progress: bool = True,
-              on_row: Callable[[Row], None] | None = None) -> list[Row]:
+              on_row: Callable[[Row], None] | None = None,
+              most_copies: int = 8) -> list[Row]:
   """Times every case (a baseline shared by several cases is timed once); ``on_row``
-  sees each row as soon as it is measured."""
+  sees each row as soon as it is measured. ``most_copies`` caps the input sets per
+  case (fewer compile faster; a small weight then may sit in L2)."""
   rows, baseline_us = [], {}
   sets_key, sets = None, None  # one shape's input sets at a time, reused by its passes
   for i, case in enumerate(cases):
@@ -139,7 +141,8 @@ def run_cases(cases: Sequence[BenchCase], *, progress: bool = True,
       progress_bar(i, len(cases), f"{case.op} {case.case} {case.pass_}")
     if sets_key != (case.op, case.case):
       sets = None  # free the previous shape's inputs before building these
-      sets = [case.make_args(seed) for seed in range(copies_for(case.set_bytes))]
+      sets = [case.make_args(seed)
+              for seed in range(copies_for(case.set_bytes, most=most_copies))]
       sets_key = (case.op, case.case)
     jdet_us = time_us(case.fn, sets)
     timed = (case.op, case.case, case.pass_, case.baseline)
@@ -235,12 +238,12 @@ def plot(rows: Sequence[Row], path: str) -> bool:
   return True
 
 
-def report(title: str, cases: Sequence[BenchCase]) -> list[Row]:
+def report(title: str, cases: Sequence[BenchCase], **options) -> list[Row]:
   """A benchmark's output: the device line, the interpret warning, then one table
-  whose rows print as they are measured."""
+  whose rows print as they are measured (``options`` go to :func:`run_cases`)."""
   print(f"# {title} on {device_description()}")
   if interpret_warning():
     print(interpret_warning())
   print(markdown_table([]), flush=True)
   return run_cases(cases, on_row=lambda row: print(markdown_table([row], head=False),
-                                                   flush=True))
+                                                   flush=True), **options)

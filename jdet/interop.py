@@ -10,9 +10,11 @@ to a real folder after importing jax_triton.
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import matmul as kernels
+from pallas_kernels import matmul_plan
+from pallas_kernels.matmul import Layout
 
 
 def _import_torch():
@@ -72,12 +74,14 @@ def torch_matmul(a, b, *, precision: lax.Precision | None = None, out_dtype=None
   out = torch.empty((m, n), dtype=out_dtype, device=a.device)
   if m == 0:
     return out.reshape(*a.shape[:-1], n)
-  kp = -(-k // kernels.BLOCK_K) * kernels.BLOCK_K  # the launchers' zero-padded contraction
-  rows = torch.nn.functional.pad(rows, (0, kp - k)).contiguous()
-  weight = torch.nn.functional.pad(b.to(compute_dtype), (0, 0, 0, kp - k)).contiguous()
-  tiles = kernels.matmul_tiles(m, n, rows.element_size(), interpret=False)
+  rows = rows.contiguous()
+  weight = b.to(compute_dtype).contiguous()
+  as_jax = {torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16,
+            torch.float32: jnp.float32}
+  tiles = matmul_plan.plan(Layout.NN, m, n, k, dtype=as_jax[compute_dtype],
+                           out_dtype=as_jax[out_dtype], backend="triton").tiles
   grid, params = triton_matmul.matmul_launch(
-      1, m, n, kp, transpose_b=False, shared_b=True, tiles=tiles, precision=precision)
+      1, m, n, k, transpose_b=False, shared_b=True, tiles=tiles, precision=precision)
   triton_matmul.matmul_kernel[grid](rows, weight, out, num_warps=tiles.num_warps,
                                     num_stages=tiles.num_stages, **params)
   return out.reshape(*a.shape[:-1], n)

@@ -10,11 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jdet import _triton_backend
 from jdet._backend import (FLOAT_DTYPES, as_array, check_float, check_ndim, check_precision,
                            differentiable_once, use_interpret)
-from pallas_kernels import hopper_matmul as hopper
-from pallas_kernels import matmul as kernels
+from pallas_kernels import jax_triton_matmul
+from pallas_kernels import matmul_plan
+from pallas_kernels.matmul import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +25,7 @@ class _GemmConfig:
   backend: str
 
 
-BACKENDS = ("pallas", "triton")
+BACKENDS = matmul_plan.BACKENDS
 
 
 def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None,
@@ -44,10 +44,11 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None,
       equal ones; anything else raises ValueError.
     preferred_element_type: output dtype, bfloat16, float16 or float32 (else
       TypeError); defaults to ``jnp.result_type(a, b)``.
-    interpret: ``None`` picks by platform (native on GPU, interpret on CPU). On an
-      H100, bf16/f16 GEMMs whose sizes suit TMA run on a Mosaic GPU kernel (dB always,
-      the forward and dA above 128 rows), the rest on Triton; both keep the contract
-      below and give the same bits.
+    interpret: ``None`` picks by platform (native on GPU, interpret on CPU). Which
+      kernel runs each GEMM (on an H100, bf16/f16 GEMMs whose sizes suit TMA run on
+      a Mosaic GPU kernel, the rest on Triton) is decided in one place,
+      :func:`pallas_kernels.matmul_plan.plan`; every kernel keeps the contract
+      below and gives the same bits.
     backend: ``"pallas"`` (default) runs the Pallas kernels; ``"triton"`` runs
       the same GEMM written in Triton, launched by jax-triton (NVIDIA GPU only;
       install with ``pip install 'jdet[triton]'``). Both keep the contract below;
@@ -119,7 +120,7 @@ def _interpret_for(backend: str, interpret, a, b) -> bool:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
   if backend == "pallas":
     return use_interpret(interpret, a, b)
-  _triton_backend.load_jax_triton()
+  jax_triton_matmul.load()
   if interpret or use_interpret(None, a, b):
     raise ValueError(
         "backend='triton' runs only on an NVIDIA GPU (it has no interpret mode); "
@@ -127,45 +128,21 @@ def _interpret_for(backend: str, interpret, a, b) -> bool:
   return False
 
 
-def _hopper_tiles(config: _GemmConfig, layout, a, b, rows: int, cols: int):
-  """The Mosaic GPU kernel's tiles for this [G, rows, cols] GEMM, or None where it
-  runs on the Triton kernels: it needs the Pallas backend on an H100, one problem
-  (G = 1) and a size the kernel serves."""
-  if config.backend != "pallas" or config.interpret or a.shape[0] != 1 or b.shape[0] != 1:
-    return None
-  return hopper.tiles_for(layout, rows, cols, a.dtype, config.out_dtype)
-
-
-def _launch_matmul(config: _GemmConfig, a, b, *, transpose_b, out_dtype):
-  """``a @ b`` (``a @ bᵀ``): a: [G, M, K]; b: [Gb, K, N] ([Gb, N, K])."""
-  m = a.shape[1]
-  n = b.shape[1] if transpose_b else b.shape[2]
-  layout = hopper.Layout.NT if transpose_b else hopper.Layout.NN
-  hopper_tiles = _hopper_tiles(config, layout, a, b, m, n)
-  if hopper_tiles:
-    return hopper.matmul(a[0], b[0], layout=layout, out_dtype=out_dtype,
-                         tiles=hopper_tiles)[None]
-  tiles = kernels.matmul_tiles(m, n, a.dtype.itemsize, interpret=config.interpret)
-  if config.backend == "triton":
-    return _triton_backend.matmul(a, b, transpose_b=transpose_b, out_dtype=out_dtype,
-                                  precision=config.precision, tiles=tiles)
-  return kernels.matmul(a, b, transpose_b=transpose_b, out_dtype=out_dtype,
-                        precision=config.precision, tiles=tiles, interpret=config.interpret)
-
-
-def _launch_at_b(config: _GemmConfig, a, d, *, out_dtype):
-  """``aᵀ @ d``: a: [G, R, K]; d: [G, R, N]."""
-  k, n = a.shape[2], d.shape[2]
-  hopper_tiles = _hopper_tiles(config, hopper.Layout.TN, a, d, k, n)
-  if hopper_tiles:
-    return hopper.matmul(a[0], d[0], layout=hopper.Layout.TN, out_dtype=out_dtype,
-                         tiles=hopper_tiles)[None]
-  tiles = kernels.at_b_tiles(k, n, a.dtype.itemsize, interpret=config.interpret)
-  if config.backend == "triton":
-    return _triton_backend.matmul_at_b(a, d, out_dtype=out_dtype, precision=config.precision,
-                                       tiles=tiles)
-  return kernels.matmul_at_b(a, d, out_dtype=out_dtype, precision=config.precision,
-                             tiles=tiles, interpret=config.interpret)
+def gemm(config: _GemmConfig, layout: Layout, lhs, rhs, *, out_dtype):
+  """Plans and runs one GEMM (operand shapes per ``matmul_plan``'s docstring):
+  NN/NT: lhs [G, rows, K], rhs [Gb, K or cols, cols or K]; TN: lhs [G, R, rows],
+  rhs [G, R, cols]. Returns [G, rows, cols]."""
+  g = lhs.shape[0]
+  if layout is Layout.TN:
+    contraction, rows = lhs.shape[1:]
+  else:
+    rows, contraction = lhs.shape[1:]
+  cols = rhs.shape[1] if layout is Layout.NT else rhs.shape[2]
+  plan = matmul_plan.plan(layout, rows, cols, contraction, dtype=lhs.dtype,
+                          out_dtype=out_dtype, groups=g, backend=config.backend,
+                          interpret=config.interpret)
+  return matmul_plan.launch(plan, lhs, rhs, layout=layout, out_dtype=out_dtype,
+                            precision=config.precision)
 
 
 def _batched(a, b, batch, config):
@@ -212,7 +189,7 @@ _broadcast_fixed_order.defvjp(_broadcast_forward, _broadcast_backward)
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
 def _gemm(a, b, config: _GemmConfig):
   """a: [G, R, K]; b: [Gb, K, N] with Gb in {1, G}; returns [G, R, N]."""
-  return _launch_matmul(config, a, b, transpose_b=False, out_dtype=config.out_dtype)
+  return gemm(config, Layout.NN, a, b, out_dtype=config.out_dtype)
 
 
 def _gemm_forward(a, b, config):
@@ -226,12 +203,12 @@ def _gemm_backward(config, residuals, dc):
   dtype = jnp.result_type(dc.dtype, a.dtype)
   dc = dc.astype(dtype)
   # dA = dC @ Bᵀ: the same invariant kernel, contracting over N in fixed steps.
-  da = _launch_matmul(config, dc, b.astype(dtype), transpose_b=True, out_dtype=a.dtype)
+  da = gemm(config, Layout.NT, dc, b.astype(dtype), out_dtype=a.dtype)
   # dB = Aᵀ @ dC: reduced over rows (all groups' rows when b is shared) in
   # fixed 64-row steps; zero rows pad the last step.
   if b.shape[0] == 1:
     a, dc = a.reshape(1, g * r, k), dc.reshape(1, g * r, n)
-  db = _launch_at_b(config, a.astype(dtype), dc, out_dtype=b.dtype)
+  db = gemm(config, Layout.TN, a.astype(dtype), dc, out_dtype=b.dtype)
   return da, db
 
 

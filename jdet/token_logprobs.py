@@ -22,7 +22,8 @@ import numpy as np
 from jax import lax
 
 from jdet._backend import as_array, check_float, check_ndim, differentiable_once, use_interpret
-from jdet.matmul import _GemmConfig, _launch_at_b, _launch_matmul
+from jdet.matmul import _GemmConfig, gemm
+from pallas_kernels.matmul import Layout
 from pallas_kernels import softmax as kernels
 
 
@@ -147,8 +148,7 @@ def _chunks(config: _TokenConfig, vocab: int):
 
 def _logits(config: _TokenConfig, h, w_chunk):
   """float32 [T, c] logits of one chunk (before the temperature): the jdet GEMM."""
-  return _launch_matmul(config.gemm, h[None], w_chunk[None], transpose_b=False,
-                        out_dtype=jnp.float32)[0]
+  return gemm(config.gemm, Layout.NN, h[None], w_chunk[None], out_dtype=jnp.float32)[0]
 
 
 def _over_chunks(config: _TokenConfig, w, step, carry):
@@ -195,10 +195,10 @@ def _token_logprobs_backward(config, saved, cotangent):
         inv_temperature=config.inv_temperature, out_dtype=h.dtype, tiles=config.tiles,
         interpret=config.interpret)
     # dhidden += dlogits @ w_chunkᵀ (the GEMM's dA, contracting the chunk in 64-wide steps).
-    dh = dh + _launch_matmul(config.gemm, dlogits[None], w_chunk[None], transpose_b=True,
-                             out_dtype=jnp.float32)[0]
+    dh = dh + gemm(config.gemm, Layout.NT, dlogits[None], w_chunk[None],
+                   out_dtype=jnp.float32)[0]
     # dweight[:, chunk] = hᵀ @ dlogits (the GEMM's dB: fixed 64-row blocks in order).
-    dw_chunk = _launch_at_b(config.gemm, h[None], dlogits[None], out_dtype=w.dtype)[0]
+    dw_chunk = gemm(config.gemm, Layout.TN, h[None], dlogits[None], out_dtype=w.dtype)[0]
     return dh, lax.dynamic_update_slice_in_dim(dw, dw_chunk, first, axis=1)
 
   dh, dw = _over_chunks(config, w, step, (jnp.zeros((rows, d), jnp.float32), jnp.zeros_like(w)))

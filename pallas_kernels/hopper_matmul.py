@@ -5,23 +5,22 @@ the sum over the contraction in ``BLOCK_K`` = 64 steps, in increasing order,
 each step's product added to one float32 accumulator that starts at zero,
 rounded to the output dtype once. A step is four k16 ``wgmma`` instructions
 chained into that accumulator, which is what the Triton lowering of the Pallas
-kernels emits on the H100 too, so the two give the same bits and the
-dispatcher may send an M bucket to either (``tests/test_matmul.py`` checks it
-on the GPU across every boundary).
+kernels emits on the H100 too, so the two give the same bits and
+:func:`pallas_kernels.matmul_plan.plan` may send any row count to either
+(``tests/test_matmul.py`` checks it on the GPU across every boundary).
 
 One program per SM walks the output tiles (a persistent grid). Each program
 has a TMA producer warpgroup and two consumer warpgroups, each owning half of a
 ``block_m x 2 block_n`` tile. Where the pipeline depth divides the number of
 contraction steps, the producer runs on into the next tile's loads while the
-consumers store the last one. Edge tiles need no masking: TMA loads outside
-the operand read zeros and stores outside the result are dropped. Only 16-bit
-operands (bfloat16, float16); the contraction must be a multiple of 64.
+consumers store the last one. Edge tiles and a partial last contraction step
+need no masking: TMA loads outside the operand read zeros and stores outside
+the result are dropped. Only 16-bit operands (bfloat16, float16).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 
 import jax
@@ -29,18 +28,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels import matmul as ladder
 from pallas_kernels._common import cdiv, pad_axis
-from pallas_kernels.matmul import BLOCK_K, pad_contraction
+from pallas_kernels.matmul import BLOCK_K, Layout, fit_stages
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-class Layout(enum.Enum):
-  """How the operands are stored; the output is always [rows, cols]."""
-  NN = "a @ b"        # lhs [M, K], rhs [K, N] (forward)
-  NT = "a @ b.T"      # lhs [M, K], rhs [N, K] (dA = dC @ Bᵀ)
-  TN = "a.T @ b"      # lhs [K, M], rhs [K, N] (dB = Aᵀ @ dC; K is the row count)
+EPILOGUE_TILE = 64  # the output leaves in 64 x 64 TMA stores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,15 +40,15 @@ class HopperTiles:
   """A program's output tile is ``block_m x 2 block_n``, one half per consumer
   warpgroup: ``block_m x block_n`` side by side, or with ``split_rows`` (for
   ``block_m`` = 128) ``block_m / 2 x 2 block_n`` one above the other, sharing
-  the rhs block. ``stages`` TMA loads run ahead. Programs take the tiles in
+  the rhs block. ``num_stages`` TMA loads run ahead. Programs take the tiles in
   strips ``strip_width`` tiles wide across ``strip_dim`` (0: rows of tiles, 1:
   columns), the index across the strip changing fastest, every other strip
   walked backwards (L2 reuse). None of it changes the sums. ``throughput``
   is the tile's measured throughput per SM relative to 128 x 128, which the
-  forward/dA tile rule (:func:`row_tiles`) weighs."""
+  forward/dA tile rule (``matmul_plan.mosaic_row_tiles``) weighs."""
   block_m: int = 128
   block_n: int = 128
-  stages: int = 4
+  num_stages: int = 4
   strip_dim: int = 0
   strip_width: int = 8
   split_rows: bool = False
@@ -76,6 +68,13 @@ class HopperTiles:
     """Program tiles covering a rows x cols result."""
     return cdiv(rows, self.block_m) * cdiv(cols, self.block_cols)
 
+  def stage_bytes(self, dtype) -> int:
+    return (self.block_m + self.block_cols) * BLOCK_K * jnp.dtype(dtype).itemsize
+
+  def reserved_bytes(self, out_dtype) -> int:
+    """The epilogue's double-buffered output tiles, per consumer warpgroup."""
+    return 4 * EPILOGUE_TILE * EPILOGUE_TILE * jnp.dtype(out_dtype).itemsize
+
 
 # dB's tile, and the forward/dA tile for large results: strips 8 row-tiles
 # wide, 4 stages, warpgroups split by rows, one stage ring across tiles
@@ -84,77 +83,20 @@ class HopperTiles:
 # also record the schedules that were not adopted).
 TILES = HopperTiles(split_rows=True, throughput=1.15)
 
-# Forward/dA program tiles. A result of rows x cols takes the tile with the
-# least estimated time, waves x tile area / throughput, where waves =
-# ceil(programs / SMs): with a fixed K order no program may take part of
-# another's contraction (no split-K), so the choice is about filling the last
-# wave. Throughputs from `tune_matmul.py --row-tiles-m` and the scratch sweeps
+# Forward/dA program tiles, which ``matmul_plan.mosaic_row_tiles`` picks by
+# estimated time. Throughputs from `tune_matmul.py --row-tiles-m` and the scratch sweeps
 # in notes/h100_notebook.md ("the Mosaic kernel's tile picked per result
 # shape", "a 128 x 192 tile"); the rule's misses are listed there.
 ROW_TILES: tuple[HopperTiles, ...] = (
     TILES,                                                        # 128 x 256
     HopperTiles(128, 96, split_rows=True, throughput=1.10),       # 128 x 192
-    HopperTiles(128, 64, stages=6),                               # 128 x 128
-    HopperTiles(64, 128, stages=4, throughput=0.90),              # 64 x 256
-    HopperTiles(64, 64, stages=8, throughput=0.75),               # 64 x 128
+    HopperTiles(128, 64, num_stages=6),                           # 128 x 128
+    HopperTiles(64, 128, num_stages=4, throughput=0.90),          # 64 x 256
+    HopperTiles(64, 64, num_stages=8, throughput=0.75),           # 64 x 128
 )
 # Up to this many rows the forward and dA run on the Triton ladder, faster at
 # M = 128 in 8 of the 10 benchmark GEMMs (notes/h100_notebook.md).
 LADDER_ROWS = 128
-
-EPILOGUE_TILE = 64
-
-
-def _epilogue_bytes(out_dtype) -> int:
-  return 4 * EPILOGUE_TILE * EPILOGUE_TILE * jnp.dtype(out_dtype).itemsize
-
-
-def fit_stages(tiles: HopperTiles, dtype, out_dtype) -> HopperTiles:
-  """Lowers ``stages`` until the operand ring and the epilogue buffers fit.
-
-  bf16 in and out fits 4 stages; a float32 result needs 3.
-  """
-  stage_bytes = (tiles.block_m + tiles.block_cols) * BLOCK_K * jnp.dtype(dtype).itemsize
-  return dataclasses.replace(tiles, stages=ladder.stages_that_fit(
-      tiles.stages, stage_bytes, _epilogue_bytes(out_dtype)))
-
-
-def available(dtype) -> bool:
-  """16-bit operands on an sm_90 (Hopper) GPU."""
-  if jnp.dtype(dtype) not in DTYPES:
-    return False
-  device = jax.devices()[0]
-  return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"
-
-
-def row_tiles(rows: int, cols: int, num_sms: int) -> HopperTiles:
-  """The ROW_TILES entry with the least estimated time for a rows x cols result."""
-  def estimated_time(tiles):
-    waves = cdiv(tiles.tile_count(rows, cols), num_sms)
-    return waves * tiles.block_m * tiles.block_cols / tiles.throughput
-  return min(ROW_TILES, key=estimated_time)
-
-
-def tiles_for(layout: Layout, rows: int, cols: int, dtype, out_dtype) -> HopperTiles | None:
-  """The tiles (stages fitted to shared memory) for an unbatched [rows, cols]
-  GEMM in ``layout`` with ``dtype`` operands and an ``out_dtype`` result, or None
-  where the dispatcher sends it to the Triton kernels.
-
-  TMA's swizzled tiles need every operand's minor dimension and the result's
-  columns to be multiples of 64 (rows are padded to 8 by :func:`matmul`). For
-  the forward and dA, rows is the token count, so it picks only the tile and
-  whether this kernel or the Triton ladder runs; all give the same bits. dB's
-  rows and cols are K and N: its choice never sees the token count.
-  """
-  if not available(dtype) or cols % 64:
-    return None
-  if layout is Layout.TN:
-    tiles = TILES if rows % 64 == 0 else None
-  elif rows > LADDER_ROWS:
-    tiles = row_tiles(rows, cols, jax.devices()[0].core_count)
-  else:
-    tiles = None
-  return tiles and fit_stages(tiles, dtype, out_dtype)
 
 
 def _plgpu():
@@ -192,7 +134,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
       (lambda k: (0, k)) if rhs_t else (lambda k: (k, 0)),
       transforms=transforms, memory_space=plgpu.SMEM)
 
-  stages = min(tiles.stages, k_steps)
+  stages = min(tiles.num_stages, k_steps)
   # One ring of stages across a program's tiles needs every tile to end on the
   # same slot; elsewhere each tile's pipeline fills and drains on its own.
   ring_across_tiles = k_steps % stages == 0
@@ -265,84 +207,57 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+# TMA copies tiles of 8 rows x 64 columns (16-bit, 128-byte swizzle): an
+# operand's minor dimension must be a multiple of 64 and its major one of 8.
+TMA_MINOR, TMA_MAJOR = 64, 8
+
+
 @functools.partial(jax.jit, static_argnames=("layout", "out_dtype", "tiles"))
 def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
   """One GEMM in ``layout`` on an sm_90 GPU; returns [rows, cols] in ``out_dtype``.
 
   lhs: [rows, K] (NN, NT) or [K, rows] (TN); rhs: [K, cols] (NN, TN) or
-  [cols, K] (NT); the contraction is zero-padded to a multiple of BLOCK_K here.
-  Both operands share a 16-bit dtype; :func:`tiles_for` gives the sizes TMA
-  takes and the tiles, whose stages must fit shared memory. Under ``vmap`` a
-  shared rhs folds the batch into rows (and re-picks the tiles); otherwise the
-  batch runs through the Triton kernels of :mod:`pallas_kernels.matmul`, which
-  give the same bits.
+  [cols, K] (NT). Both share a 16-bit dtype; ``tiles``' stages must fit shared
+  memory (``pallas_kernels.matmul.fit_stages``). Sizes TMA cannot take are
+  zero-padded here (a copy): the contraction to 64 where it is an operand's minor dimension and to
+  8 where it is the major one, rows to 8; ``cols`` must be a multiple of 64.
+  ``matmul_plan.plan`` sends this kernel only shapes that copy at most the
+  token rows.
   """
   if lhs.dtype not in DTYPES or rhs.dtype != lhs.dtype:
     raise TypeError(f"operands must share a 16-bit dtype, got {lhs.dtype} and {rhs.dtype}")
   if fit_stages(tiles, lhs.dtype, out_dtype) != tiles:
     raise ValueError(f"{tiles} does not fit shared memory for {lhs.dtype} operands and a "
                      f"{jnp.dtype(out_dtype)} result: use fit_stages")
-  lhs = pad_contraction(lhs, 0 if layout is Layout.TN else 1)
-  rhs = pad_contraction(rhs, 1 if layout is Layout.NT else 0)
-  static = dict(layout=layout, out_dtype=out_dtype, tiles=tiles)
-  run = jax.custom_batching.custom_vmap(functools.partial(_launch, **static))
-  run.def_vmap(functools.partial(_vmap_rule, **static))
-  return run(lhs, rhs)
-
-
-def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
-  plgpu = _plgpu()
   if layout is Layout.TN:
-    kp, rows = lhs.shape
-    padded_rows = rows
+    rows = lhs.shape[1]
+    lhs, rhs = pad_axis(lhs, 0, TMA_MAJOR), pad_axis(rhs, 0, TMA_MAJOR)
+    k_steps = cdiv(lhs.shape[0], BLOCK_K)
   else:
-    rows, kp = lhs.shape
-    lhs = pad_axis(lhs, 0, 8)  # TMA's row tiling; the zero rows are sliced off
-    padded_rows = lhs.shape[0]
+    rows = lhs.shape[0]
+    lhs = pad_axis(pad_axis(lhs, 1, TMA_MINOR), 0, TMA_MAJOR)
+    rhs = pad_axis(rhs, 1 if layout is Layout.NT else 0, TMA_MINOR)
+    k_steps = lhs.shape[1] // BLOCK_K
+  padded_rows = lhs.shape[1] if layout is Layout.TN else lhs.shape[0]
   cols = rhs.shape[0] if layout is Layout.NT else rhs.shape[1]
-  kernel = functools.partial(_kernel, layout=layout, tiles=tiles, rows=padded_rows,
-                             cols=cols, k_steps=kp // BLOCK_K)
-  num_tiles = tiles.tile_count(padded_rows, cols)
-  out = plgpu.kernel(
+  if cols % TMA_MINOR:
+    raise ValueError(f"the result's columns must be a multiple of {TMA_MINOR}, got {cols}")
+  return _launch(lhs, rhs, layout=layout, out_dtype=out_dtype, tiles=tiles,
+                 rows=padded_rows, cols=cols, k_steps=k_steps)[:rows]
+
+
+def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles, rows: int, cols: int,
+            k_steps: int):
+  plgpu = _plgpu()
+  kernel = functools.partial(_kernel, layout=layout, tiles=tiles, rows=rows, cols=cols,
+                             k_steps=k_steps)
+  return plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((padded_rows, cols), out_dtype),
-      grid=(min(jax.devices()[0].core_count, num_tiles),),
+      out_type=jax.ShapeDtypeStruct((rows, cols), out_dtype),
+      grid=(min(jax.devices()[0].core_count, tiles.tile_count(rows, cols)),),
       grid_names=("sm",),
       num_threads=3,
       thread_name="wg",
       compiler_params=plgpu.CompilerParams(
           lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )(lhs, rhs)
-  return out[:rows]
-
-
-def _vmap_rule(axis_size, in_batched, lhs, rhs, *, layout: Layout, out_dtype,
-               tiles: HopperTiles):
-  lhs_batched, rhs_batched = in_batched
-  if layout is not Layout.TN and not rhs_batched:
-    rows = lhs.shape[1]
-    folded = lhs.reshape(-1, lhs.shape[2])
-    cols = rhs.shape[0] if layout is Layout.NT else rhs.shape[1]
-    out = matmul(folded, rhs, layout=layout, out_dtype=out_dtype,
-                 tiles=tiles_for(layout, folded.shape[0], cols, lhs.dtype, out_dtype))
-    return out.reshape(axis_size, rows, -1), True
-  if not lhs_batched:
-    lhs = jnp.broadcast_to(lhs, (axis_size, *lhs.shape))
-  if not rhs_batched:
-    rhs = rhs[None]
-  if layout is Layout.TN:
-    kp, rows = lhs.shape[1:]
-    cols = rhs.shape[2]
-    out = ladder.matmul_at_b(
-        lhs, jnp.broadcast_to(rhs, (axis_size, kp, cols)), out_dtype=out_dtype,
-        precision=None, tiles=ladder.at_b_tiles(rows, cols, lhs.dtype.itemsize,
-                                                interpret=False),
-        interpret=False)
-  else:
-    rows = lhs.shape[1]
-    cols = rhs.shape[1] if layout is Layout.NT else rhs.shape[2]
-    out = ladder.matmul(
-        lhs, rhs, transpose_b=layout is Layout.NT, out_dtype=out_dtype, precision=None,
-        tiles=ladder.matmul_tiles(rows, cols, lhs.dtype.itemsize, interpret=False),
-        interpret=False)
-  return out, True

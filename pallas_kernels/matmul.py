@@ -4,24 +4,29 @@ Numerics contract (what makes a row's bits independent of the batch): every
 output element is the sum over the contraction dimension taken in steps of
 ``BLOCK_K`` = 64, in increasing order, each step's product added to one float32
 accumulator that starts at zero; the result is rounded to the output dtype once,
-at the end. Tile shape (``block_m``, ``block_n``), warps and stages only decide
-which program computes an element, never that order, so the dispatcher may pick
-them from M. The launchers zero-pad the contraction to a multiple of
-``BLOCK_K`` (:func:`pad_contraction`; zeros add nothing to a finite sum).
+at the end. A contraction that is not a multiple of ``BLOCK_K`` ends in a
+partial step whose missing terms are zeros (masked loads here, TMA's
+out-of-bounds fill or zero padding in the other kernels): the same values, so
+the same bits. Tile shape (``block_m``, ``block_n``), warps and stages only
+decide which program computes an element, never that order, so the plan
+(:mod:`pallas_kernels.matmul_plan`) may pick them from M. No launcher here
+copies an operand: edge tiles and the last contraction step are masked.
 
 Kernels:
   * :func:`matmul_kernel` - ``C[g] = A[g] @ B[g]`` or ``A[g] @ B[g]ᵀ`` (forward, dA).
   * :func:`matmul_at_b_kernel` - ``C[g] = A[g]ᵀ @ D[g]``, reduced over rows in
     ``BLOCK_K`` steps (dB): appending rows whose D is zero adds exact zeros.
 
-On an H100, ``jdet.matmul`` sends bf16/f16 GEMMs that suit TMA (dB, and the
-forward and dA above ``hopper_matmul.LADDER_ROWS`` rows) to the Mosaic GPU
-kernel of :mod:`pallas_kernels.hopper_matmul` instead; it keeps this contract.
+:func:`pallas_kernels.matmul_plan.plan` decides which kernel (these, the
+Mosaic GPU kernel of :mod:`pallas_kernels.hopper_matmul` or the jax-triton
+kernels of :mod:`pallas_kernels.triton_matmul`) runs a GEMM; all keep this
+contract.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 import functools
 
 import jax
@@ -30,15 +35,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params, dot_f32,
-                                    launcher, load_block, pad_axis, store_block)
+                                    launcher, load_block, store_block)
 
 BLOCK_K = 64
 
 
-def pad_contraction(x: jax.Array, axis: int) -> jax.Array:
-  """Zero-pads ``x``'s contraction ``axis`` to a multiple of ``BLOCK_K``: the
-  one padding every GEMM launcher (Triton, Mosaic GPU, jax-triton) applies."""
-  return pad_axis(x, axis, BLOCK_K)
+class Layout(enum.Enum):
+  """How a GEMM's operands are stored; the result is always [rows, cols]."""
+  NN = "a @ b"        # lhs [rows, K], rhs [K, cols] (forward)
+  NT = "a @ b.T"      # lhs [rows, K], rhs [cols, K] (dA = dC @ Bᵀ)
+  TN = "a.T @ b"      # lhs [K, rows], rhs [K, cols] (dB = Aᵀ @ dC; K is the token count)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,9 +64,16 @@ class MatmulTiles:
   group_m: int = 8
   one_wave_stages: int | None = None
 
+  def stage_bytes(self, dtype) -> int:
+    return (self.block_m + self.block_n) * BLOCK_K * jnp.dtype(dtype).itemsize
+
+  def reserved_bytes(self, out_dtype) -> int:
+    del out_dtype  # the result leaves straight from registers
+    return 0
+
 
 # Forward / dA tiles on the GPU, largest first. Up to GPU_ONE_ROW_OF_TILES rows
-# the dispatcher keeps to the smallest block_m that holds every row (one row of
+# the plan keeps to the smallest block_m that holds every row (one row of
 # tiles, so B streams from memory once); above, it considers them all. It takes
 # the first tile whose grid has at least GPU_MIN_PROGRAMS programs (about one
 # wave on the H100's 132 SMs), else the last candidate, and gives it
@@ -98,41 +111,21 @@ GPU_SHARED_MEMORY_BYTES = 224 * 1024
 def stages_that_fit(wanted: int, stage_bytes: int, reserved_bytes: int = 0) -> int:
   """The most pipeline stages, at most ``wanted``, whose ``stage_bytes`` each fit in
   GPU_SHARED_MEMORY_BYTES beside ``reserved_bytes``: the one shared-memory rule of
-  every GEMM kernel. Stages only change how far ahead blocks load, never the sums."""
+  every kernel. Stages only change how far ahead blocks load, never the sums."""
   return max(1, min(wanted, (GPU_SHARED_MEMORY_BYTES - reserved_bytes) // stage_bytes))
 
 
-def fit_stages(tiles: MatmulTiles, itemsize: int) -> MatmulTiles:
-  """Lowers num_stages until the pipelined A and B blocks fit in shared memory.
+def fit_stages(tiles, dtype, out_dtype):
+  """``tiles`` (any GEMM kernel's: ``MatmulTiles``, ``hopper_matmul.HopperTiles``)
+  with ``num_stages`` lowered until the pipelined operand blocks of ``dtype``
+  fit in shared memory beside the kernel's ``out_dtype`` buffers.
 
-  The bf16 tiles above fit as they are; float32 needs fewer stages for 128 x 256.
+  The bf16 Triton tiles fit as they are, float32 needs fewer stages for
+  128 x 256; the Mosaic GPU kernel fits 4 stages with a bf16 result, 3 with
+  float32.
   """
-  stage_bytes = (tiles.block_m + tiles.block_n) * BLOCK_K * itemsize
-  return dataclasses.replace(tiles, num_stages=stages_that_fit(tiles.num_stages, stage_bytes))
-
-
-def matmul_tiles(m: int, n: int, itemsize: int, *, interpret: bool) -> MatmulTiles:
-  """Forward/dA tiles for an [m, n] result (any K) of ``itemsize``-byte operands."""
-  if interpret:
-    return INTERPRET_TILES
-  candidates = GPU_MATMUL_LADDER
-  if m <= GPU_ONE_ROW_OF_TILES:
-    rows = min(t.block_m for t in candidates if t.block_m >= m)
-    candidates = tuple(t for t in candidates if t.block_m == rows)
-
-  def programs(tiles):
-    return cdiv(m, tiles.block_m) * cdiv(n, tiles.block_n)
-
-  tiles = next((t for t in candidates if programs(t) >= GPU_MIN_PROGRAMS), candidates[-1])
-  if tiles.one_wave_stages and programs(tiles) <= GPU_ONE_WAVE:
-    tiles = dataclasses.replace(tiles, num_stages=tiles.one_wave_stages)
-  return fit_stages(tiles, itemsize)
-
-
-def at_b_tiles(k: int, n: int, itemsize: int, *, interpret: bool) -> MatmulTiles:
-  """dB tiles for a [k, n] result; never a function of the row count."""
-  del k, n
-  return INTERPRET_TILES if interpret else fit_stages(GPU_AT_B_TILES, itemsize)
+  return dataclasses.replace(tiles, num_stages=stages_that_fit(
+      tiles.num_stages, tiles.stage_bytes(dtype), tiles.reserved_bytes(out_dtype)))
 
 
 def tile_coords(t, num_m: int, num_n: int, group_m: int):
@@ -143,51 +136,65 @@ def tile_coords(t, num_m: int, num_n: int, group_m: int):
   return first_m + (t % per_group) % rows_in_group, (t % per_group) // rows_in_group
 
 
+def contraction_loop(k: int, step, acc):
+  """Runs ``acc = step(ks, k_mask, acc)`` over a contraction of ``k`` in
+  BLOCK_K steps in increasing order: ``ks`` slices the step, ``k_mask`` is None
+  for the full steps and masks the indices past ``k`` in a last, partial one
+  (its own loop of one trip, so that its start stays a traced value)."""
+  full_steps = k // BLOCK_K
+
+  def body(masked, kk, acc):
+    start = pl.multiple_of(kk * BLOCK_K, BLOCK_K)
+    return step(pl.ds(start, BLOCK_K), block_mask(start, BLOCK_K, k) if masked else None, acc)
+
+  if full_steps:
+    acc = lax.fori_loop(0, full_steps, functools.partial(body, False), acc)
+  if k % BLOCK_K:
+    acc = lax.fori_loop(full_steps, full_steps + 1, functools.partial(body, True), acc)
+  return acc
+
+
 def matmul_kernel(a_ref, b_ref, o_ref, *, m: int, n: int, group_m: int,
                   transpose_b: bool, precision):
   """One [block_m, block_n] tile of ``A @ B`` (or ``A @ Bᵀ``).
 
-  a_ref: [block_m, Kp]; b_ref: [Kp, block_n] ([block_n, Kp] if transpose_b);
-  o_ref: [block_m, block_n]. Kp is a multiple of BLOCK_K. Rows >= m and
-  columns >= n of the edge tiles are masked.
+  a_ref: [block_m, K]; b_ref: [K, block_n] ([block_n, K] if transpose_b);
+  o_ref: [block_m, block_n]. Rows >= m and columns >= n of the edge tiles and
+  the contraction past K in the last step are masked (loaded as zeros).
   """
   block_m, block_n = o_ref.shape
-  k_steps = a_ref.shape[-1] // BLOCK_K
   i, j = tile_coords(pl.program_id(0), cdiv(m, block_m), cdiv(n, block_n), group_m)
   rows = block_mask(i * block_m, block_m, m) if m % block_m else None
   cols = block_mask(j * block_n, block_n, n) if n % block_n else None
 
-  def step(kk, acc):
-    ks = pl.ds(pl.multiple_of(kk * BLOCK_K, BLOCK_K), BLOCK_K)
-    a = load_block(a_ref.at[:, ks], rows=rows)
+  def step(ks, k_mask, acc):
+    a = load_block(a_ref.at[:, ks], rows=rows, cols=k_mask)
     if transpose_b:
-      b = load_block(b_ref.at[:, ks], rows=cols)
+      b = load_block(b_ref.at[:, ks], rows=cols, cols=k_mask)
     else:
-      b = load_block(b_ref.at[ks, :], cols=cols)
+      b = load_block(b_ref.at[ks, :], rows=k_mask, cols=cols)
     return acc + dot_f32(a, b, trans_b=transpose_b, precision=precision)
 
-  acc = lax.fori_loop(0, k_steps, step, jnp.zeros((block_m, block_n), jnp.float32))
+  acc = contraction_loop(a_ref.shape[-1], step, jnp.zeros((block_m, block_n), jnp.float32))
   store_block(o_ref, acc.astype(o_ref.dtype), rows=rows, cols=cols)
 
 
 def matmul_at_b_kernel(a_ref, d_ref, o_ref, *, k: int, n: int, precision):
   """One [block_k, block_n] tile of ``Aᵀ @ D``, reduced over rows.
 
-  a_ref: [Rp, block_k]; d_ref: [Rp, block_n]; o_ref: [block_k, block_n]; Rp is a
-  multiple of BLOCK_K (zero rows appended by the launcher).
+  a_ref: [R, block_k]; d_ref: [R, block_n]; o_ref: [block_k, block_n]. The
+  rows past R in the last step are masked (zeros), like the edge columns.
   """
   block_k, block_n = o_ref.shape
-  r_steps = a_ref.shape[0] // BLOCK_K
   a_cols = block_mask(pl.program_id(1) * block_k, block_k, k) if k % block_k else None
   d_cols = block_mask(pl.program_id(2) * block_n, block_n, n) if n % block_n else None
 
-  def step(rr, acc):
-    rs = pl.ds(pl.multiple_of(rr * BLOCK_K, BLOCK_K), BLOCK_K)
-    a = load_block(a_ref.at[rs, :], cols=a_cols)
-    d = load_block(d_ref.at[rs, :], cols=d_cols)
+  def step(rs, r_mask, acc):
+    a = load_block(a_ref.at[rs, :], rows=r_mask, cols=a_cols)
+    d = load_block(d_ref.at[rs, :], rows=r_mask, cols=d_cols)
     return acc + dot_f32(a, d, trans_a=True, precision=precision)
 
-  acc = lax.fori_loop(0, r_steps, step, jnp.zeros((block_k, block_n), jnp.float32))
+  acc = contraction_loop(a_ref.shape[0], step, jnp.zeros((block_k, block_n), jnp.float32))
   store_block(o_ref, acc.astype(o_ref.dtype), rows=a_cols, cols=d_cols)
 
 
@@ -199,9 +206,7 @@ def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles: MatmulTiles,
   a: [G, M, K]; b: [Gb, K, N] (or [Gb, N, K] if transpose_b) with Gb in {1, G}
   (Gb = 1 shares b across the batch). Returns [G, M, N] in ``out_dtype``.
   """
-  a = pad_contraction(a, 2)
-  b = pad_contraction(b, 2 if transpose_b else 1)
-  g, m, kp = a.shape
+  g, m, k = a.shape
   n = b.shape[1] if transpose_b else b.shape[2]
   shared_b = b.shape[0] == 1
   bm, bn = tiles.block_m, tiles.block_n
@@ -219,13 +224,13 @@ def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles: MatmulTiles,
   def o_index(t, gi):
     return (gi, *coords(t))
 
-  b_block = (None, bn, kp) if transpose_b else (None, kp, bn)
+  b_block = (None, bn, k) if transpose_b else (None, k, bn)
   kernel = functools.partial(matmul_kernel, m=m, n=n, group_m=tiles.group_m,
                              transpose_b=transpose_b, precision=precision)
   return pl.pallas_call(
       kernel,
       grid=(num_m * num_n, g),
-      in_specs=[pl.BlockSpec((None, bm, kp), a_index), pl.BlockSpec(b_block, b_index)],
+      in_specs=[pl.BlockSpec((None, bm, k), a_index), pl.BlockSpec(b_block, b_index)],
       out_specs=pl.BlockSpec((None, bm, bn), o_index),
       out_shape=jax.ShapeDtypeStruct((g, m, n), out_dtype),
       compiler_params=compiler_params(tiles.num_warps, tiles.num_stages),
@@ -238,19 +243,17 @@ def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles: MatmulTiles,
 def matmul_at_b(a, d, *, out_dtype, precision, tiles: MatmulTiles, interpret: bool):
   """Launches :func:`matmul_at_b_kernel`: ``Aᵀ @ D`` per batch entry.
 
-  a: [G, R, K]; d: [G, R, N]: the sum runs over R, zero rows appended to a
-  multiple of BLOCK_K. Returns [G, K, N].
+  a: [G, R, K]; d: [G, R, N]: the sum runs over R. Returns [G, K, N].
   """
-  a, d = pad_contraction(a, 1), pad_contraction(d, 1)
-  g, rp, k = a.shape
+  g, r, k = a.shape
   n = d.shape[2]
   bk, bn = tiles.block_m, tiles.block_n
   kernel = functools.partial(matmul_at_b_kernel, k=k, n=n, precision=precision)
   return pl.pallas_call(
       kernel,
       grid=(g, cdiv(k, bk), cdiv(n, bn)),
-      in_specs=[pl.BlockSpec((None, rp, bk), lambda gi, i, j: (gi, 0, i)),
-                pl.BlockSpec((None, rp, bn), lambda gi, i, j: (gi, 0, j))],
+      in_specs=[pl.BlockSpec((None, r, bk), lambda gi, i, j: (gi, 0, i)),
+                pl.BlockSpec((None, r, bn), lambda gi, i, j: (gi, 0, j))],
       out_specs=pl.BlockSpec((None, bk, bn), lambda gi, i, j: (gi, i, j)),
       out_shape=jax.ShapeDtypeStruct((g, k, n), out_dtype),
       compiler_params=compiler_params(tiles.num_warps, tiles.num_stages),

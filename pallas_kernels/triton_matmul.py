@@ -56,14 +56,15 @@ def _tile_coords(t, num_m, num_n, GROUP_M: tl.constexpr):
 
 @triton.jit
 def matmul_kernel(a_ptr, b_ptr, c_ptr,
-                  M: tl.constexpr, N: tl.constexpr, KP: tl.constexpr,
+                  M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                   SHARED_B: tl.constexpr, TRANSPOSE_B: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   GROUP_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
   """One [BLOCK_M, BLOCK_N] tile of ``C[g] = A[g] @ B[g]`` (``A[g] @ B[g]ᵀ`` if TRANSPOSE_B).
 
-  Grid: (tiles, G). A: [G, M, KP]; B: [Gb, KP, N] ([Gb, N, KP] if TRANSPOSE_B),
-  Gb = 1 when SHARED_B; C: [G, M, N]; all contiguous. KP is a multiple of BLOCK_K.
+  Grid: (tiles, G). A: [G, M, K]; B: [Gb, K, N] ([Gb, N, K] if TRANSPOSE_B),
+  Gb = 1 when SHARED_B; C: [G, M, N]; all contiguous. A last partial BLOCK_K
+  step loads the contraction past K as zeros.
   """
   num_m = tl.cdiv(M, BLOCK_M)
   num_n = tl.cdiv(N, BLOCK_N)
@@ -74,51 +75,69 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr,
   ks = tl.arange(0, BLOCK_K)
   row_ok = rows < M
   col_ok = cols < N
-  a_ptrs = a_ptr + g * (M * KP) + rows[:, None] * KP + ks[None, :]
+  a_ptrs = a_ptr + g * (M * K) + rows[:, None] * K + ks[None, :]
   if SHARED_B:
     b_base = b_ptr
   else:
-    b_base = b_ptr + g * (N * KP)
+    b_base = b_ptr + g * (N * K)
   if TRANSPOSE_B:
-    b_ptrs = b_base + cols[:, None] * KP + ks[None, :]
+    b_ptrs = b_base + cols[:, None] * K + ks[None, :]
   else:
     b_ptrs = b_base + ks[:, None] * N + cols[None, :]
   acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-  for _ in range(0, KP // BLOCK_K):
-    if M % BLOCK_M == 0:
-      a = tl.load(a_ptrs)
-    else:
-      a = tl.load(a_ptrs, mask=row_ok[:, None], other=0)
-    if N % BLOCK_N == 0:
-      b = tl.load(b_ptrs)
-    elif TRANSPOSE_B:
-      b = tl.load(b_ptrs, mask=col_ok[:, None], other=0)
-    else:
-      b = tl.load(b_ptrs, mask=col_ok[None, :], other=0)
-    a = _dot_operand(a, INPUT_PRECISION)
-    b = _dot_operand(b, INPUT_PRECISION)
-    if TRANSPOSE_B:
-      acc = acc + tl.dot(a, tl.trans(b), input_precision=INPUT_PRECISION)
-    else:
-      acc = acc + tl.dot(a, b, input_precision=INPUT_PRECISION)
+  for _ in range(0, K // BLOCK_K):
+    acc = _matmul_step(acc, a_ptrs, b_ptrs, row_ok, col_ok, ks < BLOCK_K, M % BLOCK_M != 0,
+                       N % BLOCK_N != 0, False, TRANSPOSE_B, INPUT_PRECISION)
     a_ptrs += BLOCK_K
     if TRANSPOSE_B:
       b_ptrs += BLOCK_K
     else:
       b_ptrs += BLOCK_K * N
+  if K % BLOCK_K:
+    acc = _matmul_step(acc, a_ptrs, b_ptrs, row_ok, col_ok, ks < K % BLOCK_K,
+                       M % BLOCK_M != 0, N % BLOCK_N != 0, True, TRANSPOSE_B, INPUT_PRECISION)
   c_ptrs = c_ptr + g * (M * N) + rows[:, None] * N + cols[None, :]
   tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
 @triton.jit
+def _masked_load(ptrs, major_ok, minor_ok, MASK_MAJOR: tl.constexpr, MASK_MINOR: tl.constexpr):
+  """Loads a 2-D block, the positions whose ``major_ok``/``minor_ok`` is False as zeros
+  (each mask applied only where its flag says it can be False)."""
+  if MASK_MAJOR and MASK_MINOR:
+    block = tl.load(ptrs, mask=major_ok[:, None] & minor_ok[None, :], other=0)
+  elif MASK_MAJOR:
+    block = tl.load(ptrs, mask=major_ok[:, None], other=0)
+  elif MASK_MINOR:
+    block = tl.load(ptrs, mask=minor_ok[None, :], other=0)
+  else:
+    block = tl.load(ptrs)
+  return block
+
+
+@triton.jit
+def _matmul_step(acc, a_ptrs, b_ptrs, row_ok, col_ok, k_ok, MASK_ROWS: tl.constexpr,
+                 MASK_COLS: tl.constexpr, MASK_K: tl.constexpr, TRANSPOSE_B: tl.constexpr,
+                 INPUT_PRECISION: tl.constexpr):
+  """``acc + A_step @ B_step``, loading masked rows, columns and contraction as zeros."""
+  a = _dot_operand(_masked_load(a_ptrs, row_ok, k_ok, MASK_ROWS, MASK_K), INPUT_PRECISION)
+  if TRANSPOSE_B:
+    b = tl.trans(_dot_operand(_masked_load(b_ptrs, col_ok, k_ok, MASK_COLS, MASK_K),
+                              INPUT_PRECISION))
+  else:
+    b = _dot_operand(_masked_load(b_ptrs, k_ok, col_ok, MASK_K, MASK_COLS), INPUT_PRECISION)
+  return acc + tl.dot(a, b, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
 def matmul_at_b_kernel(a_ptr, d_ptr, c_ptr,
-                       RP: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
+                       R: tl.constexpr, K: tl.constexpr, N: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        INPUT_PRECISION: tl.constexpr):
   """One [BLOCK_M, BLOCK_N] tile of ``C[g] = A[g]ᵀ @ D[g]``, reduced over rows in BLOCK_K steps.
 
-  Grid: (G, cdiv(K, BLOCK_M), cdiv(N, BLOCK_N)). A: [G, RP, K]; D: [G, RP, N];
-  C: [G, K, N]; RP is a multiple of BLOCK_K (zero rows appended by the caller).
+  Grid: (G, cdiv(K, BLOCK_M), cdiv(N, BLOCK_N)). A: [G, R, K]; D: [G, R, N];
+  C: [G, K, N]. A last partial step loads the rows past R as zeros.
   """
   g = tl.program_id(0).to(tl.int64)
   a_cols = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -126,44 +145,43 @@ def matmul_at_b_kernel(a_ptr, d_ptr, c_ptr,
   rs = tl.arange(0, BLOCK_K)
   a_ok = a_cols < K
   d_ok = d_cols < N
-  a_ptrs = a_ptr + g * (RP * K) + rs[:, None] * K + a_cols[None, :]
-  d_ptrs = d_ptr + g * (RP * N) + rs[:, None] * N + d_cols[None, :]
+  a_ptrs = a_ptr + g * (R * K) + rs[:, None] * K + a_cols[None, :]
+  d_ptrs = d_ptr + g * (R * N) + rs[:, None] * N + d_cols[None, :]
   acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-  for _ in range(0, RP // BLOCK_K):
-    if K % BLOCK_M == 0:
-      a = tl.load(a_ptrs)
-    else:
-      a = tl.load(a_ptrs, mask=a_ok[None, :], other=0)
-    if N % BLOCK_N == 0:
-      d = tl.load(d_ptrs)
-    else:
-      d = tl.load(d_ptrs, mask=d_ok[None, :], other=0)
-    a = _dot_operand(a, INPUT_PRECISION)
-    d = _dot_operand(d, INPUT_PRECISION)
-    acc = acc + tl.dot(tl.trans(a), d, input_precision=INPUT_PRECISION)
+  for _ in range(0, R // BLOCK_K):
+    acc = _at_b_step(acc, a_ptrs, d_ptrs, a_ok, d_ok, rs < BLOCK_K, K % BLOCK_M != 0,
+                     N % BLOCK_N != 0, False, INPUT_PRECISION)
     a_ptrs += BLOCK_K * K
     d_ptrs += BLOCK_K * N
+  if R % BLOCK_K:
+    acc = _at_b_step(acc, a_ptrs, d_ptrs, a_ok, d_ok, rs < R % BLOCK_K, K % BLOCK_M != 0,
+                     N % BLOCK_N != 0, True, INPUT_PRECISION)
   c_ptrs = c_ptr + g * (K * N) + a_cols[:, None] * N + d_cols[None, :]
   tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=a_ok[:, None] & d_ok[None, :])
 
 
-def matmul_launch(g: int, m: int, n: int, kp: int, *, transpose_b: bool, shared_b: bool,
+@triton.jit
+def _at_b_step(acc, a_ptrs, d_ptrs, a_ok, d_ok, r_ok, MASK_A: tl.constexpr,
+               MASK_D: tl.constexpr, MASK_R: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+  """``acc + A_stepᵀ @ D_step``, loading masked columns and rows as zeros."""
+  a = _dot_operand(_masked_load(a_ptrs, r_ok, a_ok, MASK_R, MASK_A), INPUT_PRECISION)
+  d = _dot_operand(_masked_load(d_ptrs, r_ok, d_ok, MASK_R, MASK_D), INPUT_PRECISION)
+  return acc + tl.dot(tl.trans(a), d, input_precision=INPUT_PRECISION)
+
+
+def matmul_launch(g: int, m: int, n: int, k: int, *, transpose_b: bool, shared_b: bool,
                   tiles: MatmulTiles, precision) -> tuple[tuple[int, int], dict]:
   """Grid and constexpr arguments of :func:`matmul_kernel` (JAX and PyTorch launch alike)."""
-  if kp % BLOCK_K:
-    raise ValueError(f"contraction size {kp} is not a multiple of {BLOCK_K}")
   grid = (cdiv(m, tiles.block_m) * cdiv(n, tiles.block_n), g)
   return grid, dict(
-      M=m, N=n, KP=kp, SHARED_B=shared_b, TRANSPOSE_B=transpose_b,
+      M=m, N=n, K=k, SHARED_B=shared_b, TRANSPOSE_B=transpose_b,
       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K,
       GROUP_M=tiles.group_m, INPUT_PRECISION=input_precision(precision))
 
 
-def matmul_at_b_launch(g: int, rp: int, k: int, n: int, *, tiles: MatmulTiles,
+def matmul_at_b_launch(g: int, r: int, k: int, n: int, *, tiles: MatmulTiles,
                        precision) -> tuple[tuple[int, int, int], dict]:
   """Grid and constexpr arguments of :func:`matmul_at_b_kernel`."""
-  if rp % BLOCK_K:
-    raise ValueError(f"row count {rp} is not a multiple of {BLOCK_K}")
   grid = (g, cdiv(k, tiles.block_m), cdiv(n, tiles.block_n))
-  return grid, dict(RP=rp, K=k, N=n, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
+  return grid, dict(R=r, K=k, N=n, BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n,
                     BLOCK_K=BLOCK_K, INPUT_PRECISION=input_precision(precision))

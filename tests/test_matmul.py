@@ -3,12 +3,13 @@
 The same tests run in Pallas interpret mode on CPU and natively on a GPU; the
 invariance tests run once per backend available here (the ``matmul_backend``
 fixture: Pallas everywhere, jax-triton on an NVIDIA GPU with jax-triton); the
-``gpu``-marked sweeps cover every kernel and tile config the dispatcher can
+``gpu``-marked sweeps cover every kernel and tile config the plan can
 choose (Triton tiles, and the Mosaic GPU kernel on an H100).
 """
 
 import dataclasses
 import functools
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -20,9 +21,12 @@ from jdet.testing import (assert_batch_invariant, assert_bitwise_equal, assert_d
                           random_normal, relative_error)
 from pallas_kernels import hopper_matmul as hopper
 from pallas_kernels import matmul as kernels
+from pallas_kernels import matmul_plan
+from pallas_kernels.matmul import Layout
+from pallas_kernels.matmul_plan import Kernel
 from jdet.bench import on_gpu
 
-K, N = 96, 80  # not multiples of the tiles: edge masks and K padding are exercised
+K, N = 96, 80  # not multiples of the tiles: edge masks and the partial K step are exercised
 M_SWEEP = (1, 2, 3, 7, 16, 17, 100, 129, 200)  # 200 > two 64-row tiles (and >2 CPU tiles)
 
 # Documented accuracy (relative max error vs float64, ||.||_inf / max|ref|).
@@ -223,41 +227,85 @@ BENCHMARK_KN = ((4096, 4096), (4096, 12288), (4096, 14336), (14336, 4096), (4096
 GPU_SWEEP_ROWS = 16411  # odd, past the largest benchmark M
 
 
-def test_ladder_dispatch_rule():
-  """The GPU ladder rule (pure Python, so it runs anywhere): every 16-bit choice
-  is a ladder tile at one of its stage counts, float32 the same tile with fewer
-  stages if needed to fit shared memory, and up to 64 rows one row of tiles."""
+H100 = matmul_plan.Device("gpu", "9.0", 132)
+bf16 = jnp.dtype(jnp.bfloat16)
+
+
+def _plan(layout, rows, cols, contraction, dtype=bf16, **options):
+  return matmul_plan.plan(layout, rows, cols, contraction, dtype=dtype, out_dtype=dtype,
+                          device=options.pop("device", H100), **options)
+
+
+def test_plan_interpret_and_backend_choices():
+  """Interpret mode: one tile for every GEMM; backend="triton": jax-triton with the
+  tiles Pallas Triton would use; float32 and grouped GEMMs: Pallas Triton."""
+  for layout in Layout:
+    for rows, cols, contraction in ((1, 1, 1), (300, 4096, 3000), (16411, 32000, 4096)):
+      assert _plan(layout, rows, cols, contraction, interpret=True) == matmul_plan.Plan(
+          Kernel.PALLAS_TRITON, kernels.INTERPRET_TILES, interpret=True)
+      f32 = _plan(layout, rows, cols, contraction, jnp.dtype(jnp.float32))
+      assert f32.kernel is Kernel.PALLAS_TRITON
+      assert f32.kernel is _plan(layout, rows, cols, contraction, groups=2).kernel
+      on_a100 = _plan(layout, rows, cols, contraction, device=matmul_plan.Device("gpu", "8.0"))
+      jax_triton = _plan(layout, rows, cols, contraction, backend="triton")
+      assert on_a100.kernel is Kernel.PALLAS_TRITON and jax_triton.kernel is Kernel.JAX_TRITON
+      assert jax_triton.tiles == on_a100.tiles
+  with pytest.raises(ValueError, match="backend must be one of"):
+    _plan(Layout.NN, 1, 1, 1, backend="cublas")
+
+
+def test_plan_sends_mosaic_only_what_tma_takes_without_copying_the_weight():
+  """The Mosaic GPU kernel runs 16-bit GEMMs of one problem with 64-aligned
+  result columns, the forward and dA above LADDER_ROWS rows with a 64-aligned K,
+  dB with 64-aligned K of the weight whatever the token count."""
+  for layout in Layout:
+    for rows in (1, 64, 128, 129, 300, 777, 4096):
+      for cols in (1000, 1024, 4096, 13824):
+        for contraction in (100, 777, 3000, 4096):
+          chosen = _plan(layout, rows, cols, contraction)
+          if layout is Layout.TN:
+            mosaic_fits = rows % 64 == 0 and cols % 64 == 0
+            assert chosen == _plan(layout, rows, cols, 1), "dB's plan sees the token count"
+          else:
+            mosaic_fits = (rows > hopper.LADDER_ROWS and cols % 64 == 0
+                           and contraction % 64 == 0)
+          assert (chosen.kernel is Kernel.MOSAIC_GPU) == mosaic_fits, (layout, rows, cols,
+                                                                        contraction, chosen)
+          assert kernels.fit_stages(chosen.tiles, bf16, bf16) == chosen.tiles
+
+
+def test_plan_triton_tile_rule():
+  """Every 16-bit Triton choice is a ladder tile at one of its stage counts,
+  float32 the same tile with fewer stages if needed to fit shared memory, up to
+  64 rows one row of tiles; dB's tile is one for every size."""
   launch_params = lambda t: (t.block_m, t.block_n, t.num_warps, t.num_stages)
   configs = {launch_params(config) for config in _gpu_ladder_configs()}
+  f32 = jnp.dtype(jnp.float32)
   for m in (1, 5, 16, 17, 64, 65, 128, 256, 1000, 4096):
     for n in (1, 100, 1000, 4096, 12288, 32000):
-      half = kernels.matmul_tiles(m, n, 2, interpret=False)
-      single = kernels.matmul_tiles(m, n, 4, interpret=False)
+      half = _plan(Layout.NN, m, n, 64, groups=2).tiles
+      single = _plan(Layout.NN, m, n, 64, f32).tiles
       assert launch_params(half) in configs, (m, n, half)
       assert (launch_params(single)[:3] == launch_params(half)[:3]
               and single.num_stages <= half.num_stages)
-      stage_bytes = (single.block_m + single.block_n) * kernels.BLOCK_K * 4
-      assert stage_bytes * single.num_stages <= kernels.GPU_SHARED_MEMORY_BYTES
+      assert single.stage_bytes(f32) * single.num_stages <= kernels.GPU_SHARED_MEMORY_BYTES
       assert m > kernels.GPU_ONE_ROW_OF_TILES or half.block_m >= m, (m, n, half)
+      assert _plan(Layout.TN, m, n, 64, groups=2).tiles == kernels.GPU_AT_B_TILES
 
 
-def test_hopper_row_tile_rule():
-  """The Mosaic kernel's forward/dA tile rule (pure Python, 132 SMs): the picks
-  the H100 sweeps found fastest; up to LADDER_ROWS rows the Triton ladder runs."""
-  pick = lambda rows, cols: hopper.row_tiles(rows, cols, num_sms=132)
+def test_plan_mosaic_row_tile_rule():
+  """The Mosaic kernel's forward/dA tile rule (132 SMs): the picks the H100
+  sweeps found fastest."""
+  pick = lambda rows, cols: matmul_plan.mosaic_row_tiles(rows, cols, num_sms=132)
   big, narrow, square, wide, small = hopper.ROW_TILES
   assert pick(192, 4096) == pick(256, 4096) == small    # 96 / 128 programs of 64 x 128
   assert pick(384, 4096) == pick(512, 4096) == square   # 96 / 128 programs of 128 x 128
   assert pick(320, 12288) == wide                       # 240 programs of 64 x 256
   assert pick(640, 4096) == pick(256, 12288) == narrow  # 110 / 128 programs of 128 x 192
   assert pick(640, 12288) == pick(512, 32000) == pick(16384, 4096) == big
-  for rows in (1, 64, hopper.LADDER_ROWS):
-    assert hopper.tiles_for(hopper.Layout.NN, rows, 4096, jnp.bfloat16, jnp.bfloat16) is None
+  assert _plan(Layout.NN, 4096, 4096, 4096).tiles == pick(4096, 4096)
   with pytest.raises(ValueError, match="split_rows needs block_m = 128"):
     hopper.HopperTiles(64, 128, split_rows=True)
-  for rows in (129, 4096):
-    assert hopper.tiles_for(hopper.Layout.NN, rows, 4096, jnp.bfloat16, jnp.bfloat16) == (
-        pick(rows, 4096) if hopper.available(jnp.bfloat16) else None)
 
 
 def _gpu_ladder_configs():
@@ -267,56 +315,69 @@ def _gpu_ladder_configs():
           if config.num_stages]
 
 
-def _gpu_kernels_forward_and_da(k, n, dtype=jnp.bfloat16):
-  """Full-size forward and dA from every kernel the dispatcher can pick: each
-  Triton ladder tile at each of its stage counts and, where it can serve the
-  shape, the Hopper kernel with each of its forward/dA tiles.
-  Asserts they all agree and returns (a, b, g, forward, dA)."""
+def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype):
+  """Every plan the plan could make for a GEMM of these sizes: each Triton ladder
+  tile at each stage count, jax-triton where it is installed, and, where the
+  Mosaic GPU kernel serves the sizes, each of its tiles."""
+  plans = [matmul_plan.Plan(Kernel.PALLAS_TRITON, kernels.fit_stages(t, dtype, dtype))
+           for t in (_gpu_ladder_configs() if layout is not Layout.TN
+                     else [kernels.GPU_AT_B_TILES, *kernels.GPU_MATMUL_LADDER])]
+  if importlib.util.find_spec("jax_triton"):
+    plans.append(dataclasses.replace(plans[0], kernel=Kernel.JAX_TRITON))
+  if matmul_plan.plan(layout, rows, cols, contraction, dtype=dtype,
+                      out_dtype=dtype).kernel is Kernel.MOSAIC_GPU:
+    tiles = [hopper.TILES] if layout is Layout.TN else hopper.ROW_TILES
+    plans += [matmul_plan.Plan(Kernel.MOSAIC_GPU, kernels.fit_stages(t, dtype, dtype))
+              for t in tiles]
+  return plans
+
+
+def _gpu_every_kernel_agrees(k, n, dtype=jnp.bfloat16):
+  """Full-size forward, dA and dB from every plan (:func:`_every_plan`).
+  Asserts they all agree and returns (a, b, g, forward, dA, dB)."""
   rng = np.random.default_rng(5)
   a = random_normal(rng, (GPU_SWEEP_ROWS, k), dtype)
   b = random_normal(rng, (k, n), dtype)
   g = random_normal(rng, (GPU_SWEEP_ROWS, n), dtype)
-  operands = {"forward": (a, b, False), "dA": (g, b, True)}
+  operands = {"forward": (Layout.NN, a, b), "dA": (Layout.NT, g, b), "dB": (Layout.TN, a, g)}
   results = {}
-  for name, (lhs, rhs, transpose_b) in operands.items():
-    launch = functools.partial(kernels.matmul, lhs[None], rhs[None], transpose_b=transpose_b,
-                               out_dtype=dtype, precision=None, interpret=False)
-    configs = _gpu_ladder_configs()
-    reference = np.asarray(launch(tiles=configs[0]))[0]
-    for tiles in configs[1:]:
-      assert_bitwise_equal(launch(tiles=tiles)[0], reference, what=f"{name}, tiles {tiles}")
-    layout = hopper.Layout.NT if transpose_b else hopper.Layout.NN
-    if hopper.tiles_for(layout, GPU_SWEEP_ROWS, reference.shape[1], dtype, dtype):
-      for tiles in hopper.ROW_TILES:
-        got = hopper.matmul(lhs, rhs, layout=layout, out_dtype=dtype,
-                            tiles=hopper.fit_stages(tiles, dtype, dtype))
-        assert_bitwise_equal(got, reference, what=f"{name}, Hopper kernel {tiles} vs Triton")
+  for name, (layout, lhs, rhs) in operands.items():
+    rows = lhs.shape[1] if layout is Layout.TN else lhs.shape[0]
+    cols = rhs.shape[0] if layout is Layout.NT else rhs.shape[1]
+    contraction = lhs.shape[0] if layout is Layout.TN else lhs.shape[1]
+    plans = _every_plan(layout, rows, cols, contraction, jnp.dtype(dtype))
+    run = lambda p: matmul_plan.launch(p, lhs[None], rhs[None], layout=layout,
+                                       out_dtype=dtype)[0]
+    reference = np.asarray(run(plans[0]))
+    for p in plans[1:]:
+      assert_bitwise_equal(run(p), reference, what=f"{name}, {p} vs {plans[0]}")
     results[name] = reference
-  return a, b, g, results["forward"], results["dA"]
+  return a, b, g, results["forward"], results["dA"], results["dB"]
 
 
-def _dispatch_changes(rows_limit: int, cols: int, layout) -> set[int]:
-  """Every M where the forward/dA dispatch (Triton tile or Hopper kernel) changes."""
-  def choice(m):
-    return (kernels.matmul_tiles(m, cols, 2, interpret=False),
-            hopper.tiles_for(layout, m, cols, jnp.bfloat16, jnp.bfloat16))
+def _plan_changes(rows_limit: int, cols: int, contraction: int, layout) -> set[int]:
+  """Every row count where the forward/dA plan (kernel or tile) changes."""
+  choice = lambda m: _plan(layout, m, cols, contraction, device=None)
   return {m for m in range(2, rows_limit + 1) if choice(m) != choice(m - 1)}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k,n", BENCHMARK_KN + ((1000, 3000),))
+@pytest.mark.parametrize("k,n", BENCHMARK_KN + ((1000, 3000), (3000, 1000), (5120, 13824)))
 def test_gpu_invariance_envelope_every_kernel(k, n):
-  """Every kernel the dispatcher can choose gives the same bits, forward and dA,
-  and M from 1 to 16411 across every dispatch boundary gives a prefix of them."""
-  a, b, g, forward, da_reference = _gpu_kernels_forward_and_da(k, n)
-  changes = (_dispatch_changes(GPU_SWEEP_ROWS, n, hopper.Layout.NN)
-             | _dispatch_changes(GPU_SWEEP_ROWS, k, hopper.Layout.NT))
-  sizes = sorted({1, 2, 3, 7, 100, 1000, 4097, GPU_SWEEP_ROWS}
+  """Every kernel and tile the plan can choose gives the same bits, forward, dA
+  and dB, and M from 1 to 16411 across every plan change gives a prefix of them
+  (dB: equal to the full-size one once the extra rows' cotangents are zero)."""
+  a, b, g, forward, da_reference, db_reference = _gpu_every_kernel_agrees(k, n)
+  changes = (_plan_changes(GPU_SWEEP_ROWS, n, k, Layout.NN)
+             | _plan_changes(GPU_SWEEP_ROWS, k, n, Layout.NT))
+  sizes = sorted({1, 2, 3, 7, 100, 300, 777, 1000, 4097, GPU_SWEEP_ROWS}
                  | {c for m in changes for c in (m - 1, m)})
   for m in sizes:
     assert_bitwise_equal(mm(a[:m], b), forward[:m], what=f"forward M={m}")
     da, _ = mm_grads(a[:m], b, g[:m])
     assert_bitwise_equal(da, da_reference[:m], what=f"dA M={m}")
+  _, db = mm_grads(a, b, g)
+  assert_bitwise_equal(db, db_reference, what="dB")
   for i in range(0, GPU_SWEEP_ROWS, 1999):
     assert_bitwise_equal(mm(a[i:i + 1], b), forward[i:i + 1], what=f"row {i} alone")
 
@@ -324,21 +385,14 @@ def test_gpu_invariance_envelope_every_kernel(k, n):
 @pytest.mark.gpu
 @pytest.mark.parametrize("k,n", [(4096, 4096), (14336, 4096), (1000, 3000)])
 def test_gpu_db_deterministic_and_unchanged_by_zero_cotangent_rows(k, n):
-  """dB (the Hopper kernel where it serves K x N, else Triton) is run-to-run
-  deterministic, equal to the Triton kernel, and unchanged by appended rows whose
-  cotangent is zero, for row counts on both sides of every 64-row step."""
+  """dB is run-to-run deterministic and unchanged by appended rows whose
+  cotangent is zero, for row counts on both sides of every 8- and 64-row step."""
   rng = np.random.default_rng(7)
   total = 4161
   a, b, g = (random_normal(rng, (total, k), jnp.bfloat16), random_normal(rng, (k, n), jnp.bfloat16),
              random_normal(rng, (total, n), jnp.bfloat16))
-  triton_db = kernels.matmul_at_b(
-      a[None], g[None],
-      out_dtype=jnp.bfloat16, precision=None,
-      tiles=kernels.at_b_tiles(k, n, 2, interpret=False), interpret=False)[0]
-  _, db_full = mm_grads(a, b, g)
-  assert_bitwise_equal(db_full, triton_db, what="dB vs the Triton kernel")
   assert_deterministic(mm_grads, a, b, g, runs=5)
-  for m in (1, 63, 64, 65, 1000, 4096):
+  for m in (1, 7, 8, 9, 63, 64, 65, 1000, 4096):
     _, db = mm_grads(a[:m], b, g[:m])
     zero_rows = jnp.concatenate([g[:m], jnp.zeros_like(g[m:])])
     _, db_padded = mm_grads(a, b, zero_rows)
@@ -346,15 +400,15 @@ def test_gpu_db_deterministic_and_unchanged_by_zero_cotangent_rows(k, n):
 
 
 @pytest.mark.gpu
-def test_gpu_hopper_kernel_under_vmap_and_other_dtypes():
-  """Under vmap the Hopper kernel's GEMMs give the bits of the unbatched calls
-  (shared b folds into rows; a batched b or a dB batch runs on Triton), and
+def test_gpu_mosaic_kernel_under_vmap_and_other_dtypes():
+  """Under vmap the Mosaic GPU kernel's GEMMs give the bits of the unbatched calls
+  (shared b folds into rows; a batched b or a dB batch becomes groups), and
   float16 inputs and a float32 result match the Triton kernel."""
   rng = np.random.default_rng(8)
   k, n = 1024, 3072
   a3, b3, g3 = (random_normal(rng, shape, jnp.bfloat16)
                 for shape in ((3, 1100, k), (3, k, n), (3, 1100, n)))
-  assert hopper.tiles_for(hopper.Layout.NN, 1100, n, jnp.bfloat16, jnp.bfloat16)
+  assert _plan(Layout.NN, 1100, n, k, device=None).kernel is Kernel.MOSAIC_GPU
   shared = jax.jit(jax.vmap(jdet.matmul, in_axes=(0, None)))(a3, b3[0])
   batched = jax.jit(jax.vmap(jdet.matmul))(a3, b3)
   per_example = jax.jit(jax.vmap(mm_grads, in_axes=(0, None, 0)))(a3, b3[0], g3)
@@ -384,7 +438,7 @@ def test_gpu_float32_large_tiles_fit_and_match_fewer_stages():
   assert np.abs(np.asarray(out) - ref).max() < TOLERANCE[jnp.float32] * np.abs(ref).max()
   da, db = jax.grad(lambda a, b: jnp.sum(jdet.matmul(a, b, precision=hi) ** 2), (0, 1))(a, b)
   assert np.isfinite(np.asarray(da)).all() and np.isfinite(np.asarray(db)).all()
-  tiles = kernels.matmul_tiles(2048, 2048, 4, interpret=False)
+  tiles = _plan(Layout.NN, 2048, 2048, 1024, jnp.dtype(jnp.float32), device=None).tiles
   launch = functools.partial(kernels.matmul, transpose_b=False, out_dtype=jnp.float32,
                              precision=hi, interpret=False)
   fewer = dataclasses.replace(tiles, num_stages=1)

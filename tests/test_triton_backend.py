@@ -17,12 +17,13 @@ import numpy as np
 import pytest
 
 import jdet
-from jdet import _triton_backend as triton_backend
 from jdet import interop
-from jdet.testing import assert_batch_invariant, assert_bitwise_equal, random_normal
-from pallas_kernels import matmul as kernels
 from jdet.bench import on_gpu
-
+from jdet.testing import assert_batch_invariant, assert_bitwise_equal, random_normal
+from pallas_kernels import jax_triton_matmul as triton_backend
+from pallas_kernels import matmul as kernels
+from pallas_kernels import matmul_plan
+from pallas_kernels.matmul import Layout
 
 
 def test_unknown_backend_raises():
@@ -73,7 +74,7 @@ def host_triton(monkeypatch):
       matmul_kernel="matmul", at_b_kernel="at_b", matmul_at_b_kernel="at_b",
       matmul_launch=lambda *shape, transpose_b, **_: ((1,), {"TRANSPOSE_B": transpose_b}),
       matmul_at_b_launch=lambda *shape, **_: ((1,), {}))
-  monkeypatch.setattr(triton_backend, "load_jax_triton",
+  monkeypatch.setattr(triton_backend, "load",
                       lambda: (types.SimpleNamespace(triton_call=triton_call), kernels_module))
   triton_backend._matmul_launcher.cache_clear()
   triton_backend._at_b_launcher.cache_clear()
@@ -141,9 +142,11 @@ def test_gpu_triton_rows_invariant_and_equal_to_pallas(jax_triton, k, n):
   da_pallas, db_pallas = pallas_grads(a, b, g)
   assert_bitwise_equal(da_reference, da_pallas, what="triton vs pallas dA")
   assert_bitwise_equal(db_reference, db_pallas, what="triton vs pallas dB")
-  changes = [m for m in range(2, total + 1) for out_n in (n, k)
-             if kernels.matmul_tiles(m, out_n, 2, interpret=False)
-             != kernels.matmul_tiles(m - 1, out_n, 2, interpret=False)]
+  plan = lambda m, cols, contraction: matmul_plan.plan(  # noqa: E731
+      Layout.NN, m, cols, contraction, dtype=jnp.bfloat16, out_dtype=jnp.bfloat16,
+      backend="triton")
+  changes = [m for m in range(2, total + 1) for cols, contraction in ((n, k), (k, n))
+             if plan(m, cols, contraction) != plan(m - 1, cols, contraction)]
   for m in sorted({1, 2, 3, 7, 100, total} | {c for m in changes for c in (m - 1, m)}):
     assert_bitwise_equal(triton_mm(a[:m], b), reference[:m], what=f"forward M={m}")
     da, db = triton_grads(a[:m], b, g[:m])

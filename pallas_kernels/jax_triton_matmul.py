@@ -1,4 +1,5 @@
-"""``backend="triton"`` for :func:`jdet.matmul`: the Triton GEMM launched by jax-triton.
+"""``Kernel.JAX_TRITON``: the Triton GEMM of :mod:`pallas_kernels.triton_matmul`
+launched by jax-triton (``jdet.matmul(..., backend="triton")``).
 
 ``jax_triton.triton_call`` has no batching rule, so each launcher is a
 ``jax.custom_batching.custom_vmap`` that folds the mapped axis into the
@@ -13,13 +14,11 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.matmul import pad_contraction
-
 INSTALL_HINT = ("python3 -m pip install 'jdet[triton]' (jax-triton >= 0.3.1 with triton >= 3.6, "
                 "and a CUDA build of jax: 'jdet[cuda,triton]')")
 
 
-def load_jax_triton():
+def load():
   """Imports jax_triton and the Triton kernels, or raises ImportError saying how to install them."""
   try:
     import jax_triton
@@ -36,26 +35,24 @@ def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles):
 
   a: [G, M, K]; b: [Gb, K, N] (or [Gb, N, K] if transpose_b), Gb in {1, G}.
   """
-  a, b = pad_contraction(a, 2), pad_contraction(b, 2 if transpose_b else 1)
   return _matmul_launcher(transpose_b, jnp.dtype(out_dtype), precision, tiles)(a, b)
 
 
 def matmul_at_b(a, d, *, out_dtype, precision, tiles):
   """Same contract and shapes as :func:`pallas_kernels.matmul.matmul_at_b`, on Triton."""
-  a, d = pad_contraction(a, 1), pad_contraction(d, 1)
   return _at_b_launcher(jnp.dtype(out_dtype), precision, tiles)(a, d)
 
 
 @functools.cache
 def _matmul_launcher(transpose_b, out_dtype, precision, tiles):
-  jax_triton, triton_matmul = load_jax_triton()
+  jax_triton, triton_matmul = load()
 
   @jax.custom_batching.custom_vmap
   def launch(a, b):
-    g, m, kp = a.shape
+    g, m, k = a.shape
     n = b.shape[1] if transpose_b else b.shape[2]
     grid, params = triton_matmul.matmul_launch(
-        g, m, n, kp, transpose_b=transpose_b, shared_b=b.shape[0] == 1, tiles=tiles,
+        g, m, n, k, transpose_b=transpose_b, shared_b=b.shape[0] == 1, tiles=tiles,
         precision=precision)
     return jax_triton.triton_call(
         a, b, kernel=triton_matmul.matmul_kernel,
@@ -88,13 +85,13 @@ def _matmul_launcher(transpose_b, out_dtype, precision, tiles):
 
 @functools.cache
 def _at_b_launcher(out_dtype, precision, tiles):
-  jax_triton, triton_matmul = load_jax_triton()
+  jax_triton, triton_matmul = load()
 
   @jax.custom_batching.custom_vmap
   def launch(a, d):
-    g, rp, k = a.shape
+    g, r, k = a.shape
     n = d.shape[2]
-    grid, params = triton_matmul.matmul_at_b_launch(g, rp, k, n, tiles=tiles,
+    grid, params = triton_matmul.matmul_at_b_launch(g, r, k, n, tiles=tiles,
                                                     precision=precision)
     return jax_triton.triton_call(
         a, d, kernel=triton_matmul.matmul_at_b_kernel,

@@ -1,0 +1,212 @@
+"""Every routing decision of the batch-invariant GEMM: :func:`plan` picks the
+kernel and its tiles, :func:`launch` runs a plan.
+
+Three kernels compute the GEMM, all under the numerics contract of
+:mod:`pallas_kernels.matmul` (the contraction in ``BLOCK_K`` steps in increasing
+order into one float32 accumulator), so they give the same bits and the plan
+may choose by any size, the token count included. It chooses speed, never bits:
+
+* ``Kernel.MOSAIC_GPU`` (:mod:`pallas_kernels.hopper_matmul`): TMA + wgmma on a
+  persistent grid. An H100, 16-bit operands, one problem (no groups), more than
+  ``hopper_matmul.LADDER_ROWS`` rows for the forward and dA, and sizes that TMA's
+  tiled copies take without a padded copy of the weight: every 64-element minor
+  dimension, and the contraction a multiple of 64 when it is minor (the
+  forward's and dA's K). It pads only what is at most 7 rows short of TMA's
+  8-row tiles (the token count of the forward, dA and dB).
+* ``Kernel.PALLAS_TRITON`` (:mod:`pallas_kernels.matmul`): the Pallas Triton
+  lowering, masked edges, no copies; every other GEMM, and every GEMM in
+  interpret mode (CPU) with one fixed tile.
+* ``Kernel.JAX_TRITON`` (:mod:`pallas_kernels.jax_triton_matmul`): the same
+  GEMM written in Triton and launched by jax-triton; only for
+  ``backend="triton"``, with the Pallas Triton tiles.
+
+Operands of a [rows, cols] result, per :class:`~pallas_kernels.matmul.Layout`
+(``G`` groups of independent problems; a shared rhs has ``Gb`` = 1):
+
+* NN: lhs [G, rows, K], rhs [Gb, K, cols] (the forward);
+* NT: lhs [G, rows, K], rhs [Gb, cols, K] (dA = dC Bᵀ);
+* TN: lhs [G, K, rows], rhs [G, K, cols] (dB = Aᵀ dC, K the token count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import hopper_matmul as mosaic
+from pallas_kernels import matmul as pallas_triton
+from pallas_kernels._common import cdiv
+from pallas_kernels.matmul import Layout, MatmulTiles
+
+
+class Kernel(enum.Enum):
+  MOSAIC_GPU = "mosaic_gpu"
+  PALLAS_TRITON = "pallas_triton"
+  JAX_TRITON = "jax_triton"
+
+
+BACKENDS = ("pallas", "triton")
+
+
+@dataclasses.dataclass(frozen=True)
+class Device:
+  """What the plan reads about the device: its platform, compute capability and SMs."""
+  platform: str
+  compute_capability: str = ""
+  sm_count: int = 0
+
+  @classmethod
+  def current(cls) -> Device:
+    device = jax.devices()[0]
+    return cls(device.platform, str(getattr(device, "compute_capability", "")),
+               int(getattr(device, "core_count", 0) or 0))
+
+  @property
+  def is_hopper(self) -> bool:
+    return self.platform == "gpu" and self.compute_capability == "9.0"
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A kernel and its tiles (:class:`~pallas_kernels.matmul.MatmulTiles` for the
+  Triton kernels, :class:`~pallas_kernels.hopper_matmul.HopperTiles` for Mosaic GPU)."""
+  kernel: Kernel
+  tiles: MatmulTiles | mosaic.HopperTiles
+  interpret: bool = False
+
+
+def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_dtype,
+         groups: int = 1, backend: str = "pallas", interpret: bool = False,
+         device: Device | None = None) -> Plan:
+  """The kernel and tiles for ``groups`` GEMMs of a [rows, cols] result over
+  ``contraction`` in ``layout``, with ``dtype`` operands and an ``out_dtype``
+  result, on ``device`` (default: the first jax device). A pure function of its
+  arguments."""
+  dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype)
+  if backend not in BACKENDS:
+    raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if interpret:
+    return Plan(Kernel.PALLAS_TRITON, pallas_triton.INTERPRET_TILES, interpret=True)
+  device = device or Device.current()
+  ladder_tiles = triton_tiles(layout, rows, cols, dtype, out_dtype)
+  if backend == "triton":
+    return Plan(Kernel.JAX_TRITON, ladder_tiles)
+  mosaic_tiles = _mosaic_tiles(layout, rows, cols, contraction, dtype, out_dtype, groups,
+                               device)
+  if mosaic_tiles:
+    return Plan(Kernel.MOSAIC_GPU, mosaic_tiles)
+  return Plan(Kernel.PALLAS_TRITON, ladder_tiles)
+
+
+def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype) -> MatmulTiles:
+  """The Triton kernels' GPU tiles (pallas_kernels.matmul's tables).
+
+  dB's result is [K, N] of the weight: its tile never sees the token count.
+  For the forward and dA: up to GPU_ONE_ROW_OF_TILES rows, the smallest
+  block_m that holds every row (one row of tiles, so the weight streams from
+  memory once); above, any ladder tile. The first tile whose grid has at least
+  GPU_MIN_PROGRAMS programs (about a wave), else the last candidate, with its
+  ``one_wave_stages`` when the grid is a single wave; stages fitted to shared
+  memory.
+  """
+  if layout is Layout.TN:
+    return pallas_triton.fit_stages(pallas_triton.GPU_AT_B_TILES, dtype, out_dtype)
+  candidates = pallas_triton.GPU_MATMUL_LADDER
+  if rows <= pallas_triton.GPU_ONE_ROW_OF_TILES:
+    block_m = min(t.block_m for t in candidates if t.block_m >= rows)
+    candidates = tuple(t for t in candidates if t.block_m == block_m)
+
+  def programs(tiles):
+    return cdiv(rows, tiles.block_m) * cdiv(cols, tiles.block_n)
+
+  tiles = next((t for t in candidates if programs(t) >= pallas_triton.GPU_MIN_PROGRAMS),
+               candidates[-1])
+  if tiles.one_wave_stages and programs(tiles) <= pallas_triton.GPU_ONE_WAVE:
+    tiles = dataclasses.replace(tiles, num_stages=tiles.one_wave_stages)
+  return pallas_triton.fit_stages(tiles, dtype, out_dtype)
+
+
+def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype, out_dtype,
+                  groups: int, device: Device) -> mosaic.HopperTiles | None:
+  """The Mosaic GPU kernel's tiles, or None where it does not run (see the module
+  docstring): TMA tiles every operand's minor dimension by 64 and its major one
+  by 8, so those sizes must divide, except the token count, which the launcher
+  pads to 8."""
+  if not device.is_hopper or dtype not in mosaic.DTYPES or groups != 1 or cols % 64:
+    return None
+  if layout is Layout.TN:
+    tiles = mosaic.TILES if rows % 64 == 0 else None
+  elif rows > mosaic.LADDER_ROWS and contraction % 64 == 0:
+    tiles = mosaic_row_tiles(rows, cols, device.sm_count)
+  else:
+    tiles = None
+  return tiles and pallas_triton.fit_stages(tiles, dtype, out_dtype)
+
+
+def mosaic_row_tiles(rows: int, cols: int, num_sms: int) -> mosaic.HopperTiles:
+  """The ROW_TILES entry with the least estimated time for a rows x cols result:
+  waves x tile area / throughput, where waves = ceil(tiles / SMs). With a fixed
+  K order no program may take part of another's contraction, so the choice is
+  about filling the last wave."""
+  def estimated_time(tiles):
+    waves = cdiv(tiles.tile_count(rows, cols), num_sms)
+    return waves * tiles.block_m * tiles.block_cols / tiles.throughput
+  return min(mosaic.ROW_TILES, key=estimated_time)
+
+
+def launch(plan_: Plan, lhs, rhs, *, layout: Layout, out_dtype, precision=None):
+  """Runs ``plan_`` on operands shaped as the module docstring says; returns
+  [G, rows, cols] in ``out_dtype``. ``precision`` applies to float32 operands
+  (the Mosaic GPU kernel takes only 16-bit ones). Under ``vmap`` the Mosaic GPU
+  kernel re-plans: a shared rhs folds the mapped axis into rows, anything else
+  becomes groups (Triton)."""
+  out_dtype = jnp.dtype(out_dtype)
+  if plan_.kernel is Kernel.MOSAIC_GPU:
+    return _mosaic_launcher(layout, out_dtype, plan_.tiles)(lhs, rhs)
+  if plan_.kernel is Kernel.JAX_TRITON:
+    from pallas_kernels import jax_triton_matmul
+    run = jax_triton_matmul.matmul_at_b if layout is Layout.TN else functools.partial(
+        jax_triton_matmul.matmul, transpose_b=layout is Layout.NT)
+    return run(lhs, rhs, out_dtype=out_dtype, precision=precision, tiles=plan_.tiles)
+  run = pallas_triton.matmul_at_b if layout is Layout.TN else functools.partial(
+      pallas_triton.matmul, transpose_b=layout is Layout.NT)
+  return run(lhs, rhs, out_dtype=out_dtype, precision=precision, tiles=plan_.tiles,
+             interpret=plan_.interpret)
+
+
+@functools.cache
+def _mosaic_launcher(layout: Layout, out_dtype, tiles: mosaic.HopperTiles):
+  """The Mosaic GPU kernel on [1, ...] operands, with a vmap rule that re-plans."""
+
+  @jax.custom_batching.custom_vmap
+  def run(lhs, rhs):
+    return mosaic.matmul(lhs[0], rhs[0], layout=layout, out_dtype=out_dtype, tiles=tiles)[None]
+
+  @run.def_vmap
+  def run_batched(axis_size, in_batched, lhs, rhs):
+    lhs_batched, rhs_batched = in_batched
+    lhs = lhs if lhs_batched else jnp.broadcast_to(lhs, (axis_size, *lhs.shape))
+    if layout is not Layout.TN and not rhs_batched:
+      rows = lhs.shape[2]
+      folded = lhs.reshape(1, axis_size * rows, lhs.shape[3])
+      out = _replanned(layout, folded, rhs, 1, out_dtype)
+      return out.reshape(axis_size, 1, rows, -1), True
+    rhs = rhs if rhs_batched else jnp.broadcast_to(rhs, (axis_size, *rhs.shape))
+    grouped = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in (lhs, rhs)]
+    out = _replanned(layout, *grouped, axis_size, out_dtype)
+    return out.reshape(axis_size, 1, *out.shape[1:]), True
+
+  return run
+
+
+def _replanned(layout: Layout, lhs, rhs, groups: int, out_dtype):
+  rows = lhs.shape[2] if layout is Layout.TN else lhs.shape[1]
+  cols = rhs.shape[1] if layout is Layout.NT else rhs.shape[2]
+  contraction = lhs.shape[1] if layout is Layout.TN else lhs.shape[2]
+  chosen = plan(layout, rows, cols, contraction, dtype=lhs.dtype, out_dtype=out_dtype,
+                groups=groups)
+  return launch(chosen, lhs, rhs, layout=layout, out_dtype=out_dtype)
