@@ -24,14 +24,17 @@ from jdet.matmul import BACKENDS
 
 
 def plot_ratio_vs_m(table: list[bench.Row], path: str) -> None:
-  """One line per backend, (K, N) and pass: XLA time / jdet time against M (log scale);
-  Triton-backend lines are dashed. A case listed twice is plotted from its first row
-  (results files put the newest table first)."""
+  """One panel per pass measured, one line per backend and (K, N): XLA time / jdet
+  time against M (log scale); Triton-backend lines are dashed. A case listed twice
+  is plotted from its first row (results files put the newest table first)."""
   import matplotlib
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
-  fig, axes = plt.subplots(1, 2, figsize=(13, 4.5), sharey=True)
-  for ax, pass_ in zip(axes, ("fwd", "fwd+bwd")):
+  passes = list(dict.fromkeys(row.pass_ for row in table))
+  fig, axes = plt.subplots(1, len(passes), figsize=(7 * len(passes) + 3, 5), sharey=True,
+                           squeeze=False)
+  colors = plt.get_cmap("tab20").colors
+  for ax, pass_ in zip(axes[0], passes):
     series, seen = {}, set()
     for row in table:
       if row.pass_ == pass_ and (row.op, row.case) not in seen:
@@ -41,14 +44,14 @@ def plot_ratio_vs_m(table: list[bench.Row], path: str) -> None:
     shapes = sorted({(k, n) for _, k, n in series})
     for (op, k, n), points in sorted(series.items()):
       style = "o-" if op == "matmul" else "x--"
-      ax.plot(*zip(*sorted(points)), style, color=f"C{shapes.index((k, n))}",
+      ax.plot(*zip(*sorted(points)), style, ms=3, color=colors[shapes.index((k, n)) % 20],
               label=f"{op} K={k} N={n}")
     ax.set_xscale("log", base=2)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xlabel("M (rows)")
     ax.set_title(f"jdet.matmul {pass_}, bf16")
-  axes[0].set_ylabel("XLA time / jdet time")
-  axes[1].legend(fontsize=8)
+  axes[0, 0].set_ylabel("XLA time / jdet time")
+  axes[0, -1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 
