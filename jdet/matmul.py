@@ -129,9 +129,11 @@ def _interpret_for(backend: str, interpret, a, b) -> bool:
 
 
 def gemm(config: _GemmConfig, layout: Layout, lhs, rhs, *, out_dtype):
-  """Plans and runs one GEMM (operand shapes per ``matmul_plan``'s docstring):
-  NN/NT: lhs [G, rows, K], rhs [Gb, K or cols, cols or K]; TN: lhs [G, R, rows],
-  rhs [G, R, cols]. Returns [G, rows, cols]."""
+  """Plans and runs ``G`` GEMMs; returns [G, rows, cols].
+
+  NN: lhs [G, rows, K], rhs [Gb, K, cols]; NT: lhs [G, rows, K], rhs [Gb, cols, K]
+  (Gb in {1, G}); TN: lhs [G, R, rows], rhs [G, R, cols], reduced over R.
+  """
   g = lhs.shape[0]
   if layout is Layout.TN:
     contraction, rows = lhs.shape[1:]
@@ -205,7 +207,7 @@ def _gemm_backward(config, residuals, dc):
   # dA = dC @ Bᵀ: the same invariant kernel, contracting over N in fixed steps.
   da = gemm(config, Layout.NT, dc, b.astype(dtype), out_dtype=a.dtype)
   # dB = Aᵀ @ dC: reduced over rows (all groups' rows when b is shared) in
-  # fixed 64-row steps; zero rows pad the last step.
+  # fixed 64-row steps; the last step's missing rows count as zeros.
   if b.shape[0] == 1:
     a, dc = a.reshape(1, g * r, k), dc.reshape(1, g * r, n)
   db = gemm(config, Layout.TN, a.astype(dtype), dc, out_dtype=b.dtype)
