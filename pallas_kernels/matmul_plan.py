@@ -9,10 +9,10 @@ may choose by any size, the token count included. It chooses speed, never bits:
 * ``Kernel.MOSAIC_GPU`` (:mod:`pallas_kernels.hopper_matmul`): TMA + wgmma on a
   persistent grid. An H100, 16-bit operands, one problem (no groups), more than
   ``hopper_matmul.LADDER_ROWS`` rows for the forward and dA, and sizes that TMA's
-  tiled copies take without a padded copy of the weight: every 64-element minor
-  dimension, and the contraction a multiple of 64 when it is minor (the
-  forward's and dA's K). It pads only what is at most 7 rows short of TMA's
-  8-row tiles (the token count of the forward, dA and dB).
+  tiled copies take without a padded copy of the weight: every minor dimension
+  a multiple of 64, so the contraction too where it is minor (the forward's
+  and dA's K). Where the token count is not a multiple of 8 (TMA's row tile)
+  the launcher copies the token-sized operands padded to 8 rows.
 * ``Kernel.PALLAS_TRITON`` (:mod:`pallas_kernels.matmul`): the Pallas Triton
   lowering, masked edges, no copies; every other GEMM, and every GEMM in
   interpret mode (CPU) with one fixed tile.
