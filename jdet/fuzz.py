@@ -2,7 +2,9 @@
 
 A trial draws one op's case: a shape within the op's supported range (small on
 CPU, where every new shape compiles interpret-mode kernels), a dtype and
-options, a full batch of random rows; then a second batch that holds some of
+options, a full batch of random rows (tokens; matrices for sinkhorn and
+tri_inverse; whole sequences for attention, whose valid key count each derives
+from its own keys); then a second batch that holds some of
 those rows (random ones, possibly repeated) among fresh rows at random
 positions, in a random leading-dim layout or split into chunks, and a
 transform: ``jit``, ``vmap``, ``lax.scan`` or ``lax.fori_loop`` over the
@@ -192,8 +194,90 @@ def tri_inverse_trial(rng) -> None:
              lambda count: (make(count),))
 
 
+def _rms_norm_rows(x, weight):
+  return jdet.rms_norm(x, weight)
+
+
+def _rms_norm_residual_rows(x, residual, weight):
+  """Both outputs of the fused form as one row: [normalised, sum]."""
+  return jnp.concatenate(jdet.rms_norm(x, weight, residual=residual), axis=-1)
+
+
+def rms_norm_trial(rng) -> None:
+  h = _pick(rng, (1, 7, 64, 200) if not ON_GPU else (64, 1000, 4096, 8192, 16384))
+  rows = int(rng.integers(1, 25 if not ON_GPU else 300))
+  dtype, weight_dtype = _pick(rng, DTYPES), _pick(rng, DTYPES)
+  fused = bool(rng.integers(2))
+  weight = _normal(rng, (h,), weight_dtype)
+  case = (f"rms_norm x [{rows},{h}] {jnp.dtype(dtype).name} weight "
+          f"{jnp.dtype(weight_dtype).name} residual={fused}")
+  make = lambda count: tuple(_normal(rng, (count, h), dtype) for _ in range(1 + fused))
+  op = _rms_norm_residual_rows if fused else _rms_norm_rows
+  check_rows(rng, case, op, (), make(rows), (weight,), make)
+
+
+SOFTMAX_FAMILY = {"softmax": jdet.softmax, "log_softmax": jdet.log_softmax,
+                  "logsumexp": jdet.logsumexp}
+
+
+def softmax_trial(rng) -> None:
+  name = _pick(rng, tuple(SOFTMAX_FAMILY))
+  n = _pick(rng, (1, 5, 64, 600) if not ON_GPU else (1000, 8192, 32000, 151936))
+  rows = int(rng.integers(1, 25 if not ON_GPU else 300))
+  dtype = _pick(rng, DTYPES)
+  scale = _pick(rng, (1.0, 8.0))
+  case = f"{name} x [{rows},{n}]*{scale} {jnp.dtype(dtype).name}"
+  make = lambda count: (_normal(rng, (count, n), dtype, scale),)
+  check_rows(rng, case, SOFTMAX_FAMILY[name], (), make(rows), (), make)
+
+
+def _token_logprobs_rows(hidden, weight, temperature):
+  """Each row's token is its own argmax over hidden, modulo the vocabulary (row-local)."""
+  tokens = lax.stop_gradient(jnp.argmax(hidden, axis=-1) % weight.shape[1]).astype(jnp.int32)
+  return jdet.token_logprobs(hidden, weight, tokens, temperature=temperature)
+
+
+def token_logprobs_trial(rng) -> None:
+  d = _pick(rng, (1, 16, 70) if not ON_GPU else (64, 1024, 4096))
+  vocab = _pick(rng, (1, 33, 400) if not ON_GPU else (1000, 32000, 151936))
+  rows = int(rng.integers(1, 20 if not ON_GPU else 300))
+  dtype = _pick(rng, DTYPES)
+  temperature = _pick(rng, (1.0, 0.7))
+  weight = _normal(rng, (d, vocab), dtype, d ** -0.5)
+  case = (f"token_logprobs hidden [{rows},{d}] weight [{d},{vocab}] {jnp.dtype(dtype).name} "
+          f"temperature={temperature}")
+  make = lambda count: (_normal(rng, (count, d), dtype),)
+  check_rows(rng, case, _token_logprobs_rows, (("temperature", temperature),), make(rows),
+             (weight,), make)
+
+
+def _attention_rows(query, key, value, is_causal):
+  """Each sequence's valid key count comes from its own keys (row-local)."""
+  lengths = lax.stop_gradient(jnp.sum(key[:, :, 0, 0] > -0.5, axis=1)).astype(jnp.int32)
+  return jdet.dot_product_attention(query, key, value, is_causal=is_causal,
+                                    key_value_seq_lengths=lengths)
+
+
+def attention_trial(rng) -> None:
+  t = int(rng.integers(1, 20 if not ON_GPU else 300))
+  s = t if rng.integers(2) else int(rng.integers(t, 2 * t + 1))
+  kv = _pick(rng, (1, 2))
+  n = kv * _pick(rng, (1, 2) if not ON_GPU else (1, 4))
+  h = _pick(rng, (16, 32) if not ON_GPU else (64, 128))
+  rows = int(rng.integers(1, 6 if not ON_GPU else 17))
+  dtype = _pick(rng, DTYPES)
+  causal = bool(rng.integers(2))
+  case = (f"dot_product_attention query [{rows},{t},{n},{h}] key/value [{rows},{s},{kv},{h}] "
+          f"{jnp.dtype(dtype).name} is_causal={causal}")
+  make = lambda count: (_normal(rng, (count, t, n, h), dtype),
+                        *(_normal(rng, (count, s, kv, h), dtype) for _ in range(2)))
+  check_rows(rng, case, _attention_rows, (("is_causal", causal),), make(rows), (), make)
+
+
 GENERATORS = {"matmul": matmul_trial, "sinkhorn": sinkhorn_trial,
-              "tri_inverse": tri_inverse_trial}
+              "tri_inverse": tri_inverse_trial, "rms_norm": rms_norm_trial,
+              "softmax": softmax_trial, "token_logprobs": token_logprobs_trial,
+              "dot_product_attention": attention_trial}
 
 
 def trial_rng(op: str, seed: int, index: int) -> np.random.Generator:
