@@ -2,9 +2,8 @@
 
 Each op's registry ``sweep_case`` draws a shape, splits the flattened batch at a
 random point, and asserts that the chunks' results concatenated are bitwise the
-full call's, and that the full call is accurate. CPU runs two cases per op (the fuzz in test_fuzz.py adds
-the transforms and gradients);
-the GPU sweep many more.
+full call's, and that the full call is accurate. CPU runs two cases per op (the
+fuzz in test_fuzz.py adds transforms and gradients); the GPU sweep many more.
 """
 
 import numpy as np
