@@ -20,6 +20,9 @@ def main(argv=None) -> int:
                      help="instead of the report, run this many seeded random invariance "
                           "trials per op (jdet.fuzz); each failure prints a one-line repro")
   check.add_argument("--seed", type=int, default=0, help="seed of the --trials fuzz")
+  check.add_argument("--pool", type=int, default=None,
+                     help="with --trials: draw the trials' cases (shapes, dtypes, options) "
+                          "from this many per op, so that compiled programs repeat")
   bench = sub.add_parser("bench", help="timings versus XLA, as a table and a plot")
   bench.add_argument("--op", choices=list(OPS), action="append",
                      help="only this op (repeatable); default: all")
@@ -28,8 +31,10 @@ def main(argv=None) -> int:
   if args.command == "check" and args.trials is not None:
     if args.trials < 1:
       parser.error(f"--trials must be >= 1, got {args.trials}")
+    if args.pool is not None and args.pool < 1:
+      parser.error(f"--pool must be >= 1, got {args.pool}")
     from jdet import fuzz
-    return fuzz.main(args.op, args.trials, args.seed)
+    return fuzz.main(args.op, args.trials, args.seed, args.pool)
   if args.command == "check":
     from jdet import check as check_module
     return check_module.main(args.op, full=False if args.small else None)

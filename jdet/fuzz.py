@@ -12,15 +12,19 @@ chunks, of the forward or of the per-row gradient (for ``matmul`` also the
 weight gradient with zero-cotangent rows appended). The rows' results must be
 bitwise those of the full batch under plain ``jit``.
 
-``GENERATORS`` maps each op to ``trial(rng)``: it returns None or raises an
+``GENERATORS`` maps each op to ``trial(Trial)``: it returns None or raises an
 AssertionError whose message describes the case (op, shapes, dtype, options,
 transform, rows). Ops without one run their registry ``sweep_case``.
-:func:`run_trial` seeds ``rng`` from (seed, op, index) and adds the one-line
-command that replays the trial.
+:func:`run_trial` seeds the trial from (seed, op, index) and adds the one-line
+command that replays it. ``--pool P`` draws each trial's case from P cases per
+op and its batches from one or two times the case's rows, so that compiled
+programs repeat: what makes 10^4 trials affordable where every new shape
+compiles.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 import zlib
@@ -37,6 +41,18 @@ from jdet.testing import assert_bitwise_equal
 ON_GPU = on_gpu()
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 OUTERS = ("jit", "vmap", "scan", "fori_loop")
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+  """A trial's random streams: ``case_rng`` draws the case (shapes, dtypes,
+  options), ``rng`` the data, the batch composition and the transform. Without
+  a pool they are one stream. With one (``pooled``), trial ``index`` takes case
+  ``index % pool`` and batches of one or two times its rows, so the compiled
+  programs repeat from trial to trial."""
+  rng: np.random.Generator
+  case_rng: np.random.Generator
+  pooled: bool = False
 
 
 def _pick(rng, options):
@@ -87,7 +103,7 @@ def _divisors(n):
   return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_rows(rng, case: str, op, options: tuple, batched: tuple, shared: tuple,
+def check_rows(trial: Trial, case: str, op, options: tuple, batched: tuple, shared: tuple,
                fresh) -> None:
   """The invariance check every generator runs.
 
@@ -95,6 +111,7 @@ def check_rows(rng, case: str, op, options: tuple, batched: tuple, shared: tuple
   batched arg) to rows; fresh(count) returns ``count`` new rows of each batched
   arg. Raises AssertionError describing the case on any differing bit.
   """
+  rng = trial.rng
   rows = batched[0].shape[0]
   grad = bool(rng.integers(2))
   fn = _row_function(op, options, grad, len(batched))
@@ -107,11 +124,16 @@ def check_rows(rng, case: str, op, options: tuple, batched: tuple, shared: tuple
   outer = _pick(rng, OUTERS)
   want = _transformed(fn, "jit", len(shared))(*batched, *shared)
 
-  chosen = int(rng.integers(1, rows + 1))
+  if trial.pooled:
+    total = rows * int(rng.integers(1, 3))
+    chosen = int(rng.integers(1, rows + 1))
+    extra = total - chosen
+  else:
+    chosen = int(rng.integers(1, rows + 1))
+    extra = int(rng.integers(0, rows + 1))
+    total = chosen + extra
   picks = rng.choice(rows, chosen, replace=bool(rng.integers(2)))
-  extra = int(rng.integers(0, rows + 1))
-  order = rng.permutation(chosen + extra)
-  total = chosen + extra
+  order = rng.permutation(total)
   mixed = tuple(jnp.concatenate([x[picks], f], axis=0)[order]
                 for x, f in zip(batched, fresh(extra)))
   positions = np.argsort(order)[:chosen]  # where each picked row landed
@@ -141,18 +163,19 @@ def _weight_gradient(matmul, precision):
                                                   .astype(jnp.float32) * g)))
 
 
-def matmul_trial(rng) -> None:
-  k = _pick(rng, (1, 16, 64, 65, 130) if not ON_GPU else (1, 64, 100, 512, 4096))
-  n = _pick(rng, (1, 8, 33, 64) if not ON_GPU else (1, 128, 300, 1024, 4096))
-  rows = int(rng.integers(1, 25 if not ON_GPU else 300))
-  dtype = _pick(rng, DTYPES)
-  precision = _pick(rng, (None, "highest"))
+def matmul_trial(trial: Trial) -> None:
+  case_rng, rng = trial.case_rng, trial.rng
+  k = _pick(case_rng, (1, 16, 64, 65, 130) if not ON_GPU else (1, 64, 100, 512, 4096))
+  n = _pick(case_rng, (1, 8, 33, 64) if not ON_GPU else (1, 128, 300, 1024, 4096))
+  rows = int(case_rng.integers(1, 25 if not ON_GPU else 300))
+  dtype = _pick(case_rng, DTYPES)
+  precision = _pick(case_rng, (None, "highest"))
   a, b = _normal(rng, (rows, k), dtype), _normal(rng, (k, n), dtype)
   options = (("precision", precision),)
   case = (f"matmul a [{rows},{k}] b [{k},{n}] {jnp.dtype(dtype).name} "
           f"precision={precision}")
   if rng.integers(4) == 0:  # dB: appending rows with zero cotangent changes no bit
-    extra = int(rng.integers(1, rows + 1))
+    extra = rows if trial.pooled else int(rng.integers(1, rows + 1))
     g = _normal(rng, (rows, n), jnp.float32)
     db = _weight_gradient(jdet.matmul, precision)
     padded = db(b, jnp.concatenate([a, _normal(rng, (extra, k), dtype)]),
@@ -160,37 +183,39 @@ def matmul_trial(rng) -> None:
     assert_bitwise_equal(padded, db(b, a, g), what=f"{case}; transform=jit/grad dB; "
                          f"{extra} rows with zero cotangent appended")
     return
-  check_rows(rng, case, jdet.matmul, options, (a,), (b,),
+  check_rows(trial, case, jdet.matmul, options, (a,), (b,),
              lambda count: (_normal(rng, (count, k), dtype),))
 
 
-def sinkhorn_trial(rng) -> None:
-  n = _pick(rng, (1, 2, 3, 4, 8) if not ON_GPU else tuple(range(1, 17)))
-  iters = _pick(rng, (1, 3, 20))
-  init, grad = _pick(rng, ("softmax", "exp")), _pick(rng, ("unrolled", "implicit"))
-  dtype = _pick(rng, DTYPES)
-  rows = int(rng.integers(1, 13 if not ON_GPU else 3000))
-  scale = _pick(rng, (0.5, 2.0, 8.0))
+def sinkhorn_trial(trial: Trial) -> None:
+  case_rng, rng = trial.case_rng, trial.rng
+  n = _pick(case_rng, (1, 2, 3, 4, 8) if not ON_GPU else tuple(range(1, 17)))
+  iters = _pick(case_rng, (1, 3, 20))
+  init, grad = _pick(case_rng, ("softmax", "exp")), _pick(case_rng, ("unrolled", "implicit"))
+  dtype = _pick(case_rng, DTYPES)
+  rows = int(case_rng.integers(1, 13 if not ON_GPU else 3000))
+  scale = _pick(case_rng, (0.5, 2.0, 8.0))
   options = (("iters", iters), ("init", init), ("grad", grad))
   case = (f"sinkhorn logits [{rows},{n},{n}]*{scale} {jnp.dtype(dtype).name} iters={iters} "
           f"init={init} grad={grad}")
   make = lambda count: _normal(rng, (count, n, n), dtype, scale)
-  check_rows(rng, case, jdet.sinkhorn, options, (make(rows),), (),
+  check_rows(trial, case, jdet.sinkhorn, options, (make(rows),), (),
              lambda count: (make(count),))
 
 
-def tri_inverse_trial(rng) -> None:
-  n = _pick(rng, (16, 32) if not ON_GPU else (16, 32, 64, 128))
-  method = _pick(rng, ("blocked", "doubling"))
-  dtype = _pick(rng, DTYPES)
-  rows = int(rng.integers(1, 9 if not ON_GPU else 500))
+def tri_inverse_trial(trial: Trial) -> None:
+  case_rng, rng = trial.case_rng, trial.rng
+  n = _pick(case_rng, (16, 32) if not ON_GPU else (16, 32, 64, 128))
+  method = _pick(case_rng, ("blocked", "doubling"))
+  dtype = _pick(case_rng, DTYPES)
+  rows = int(case_rng.integers(1, 9 if not ON_GPU else 500))
   options = (("method", method),)
   case = f"tri_inverse a [{rows},{n},{n}] {jnp.dtype(dtype).name} method={method}"
 
   def make(count):
     seed = int(rng.integers(2**31))
     return jdet.gdn_chunk_matrices(jax.random.key(seed), count, n).astype(dtype)
-  check_rows(rng, case, jdet.tri_inverse, options, (make(rows),), (),
+  check_rows(trial, case, jdet.tri_inverse, options, (make(rows),), (),
              lambda count: (make(count),))
 
 
@@ -203,32 +228,34 @@ def _rms_norm_residual_rows(x, residual, weight):
   return jnp.concatenate(jdet.rms_norm(x, weight, residual=residual), axis=-1)
 
 
-def rms_norm_trial(rng) -> None:
-  h = _pick(rng, (1, 7, 64, 200) if not ON_GPU else (64, 1000, 4096, 8192, 16384))
-  rows = int(rng.integers(1, 25 if not ON_GPU else 300))
-  dtype, weight_dtype = _pick(rng, DTYPES), _pick(rng, DTYPES)
-  fused = bool(rng.integers(2))
+def rms_norm_trial(trial: Trial) -> None:
+  case_rng, rng = trial.case_rng, trial.rng
+  h = _pick(case_rng, (1, 7, 64, 200) if not ON_GPU else (64, 1000, 4096, 8192, 16384))
+  rows = int(case_rng.integers(1, 25 if not ON_GPU else 300))
+  dtype, weight_dtype = _pick(case_rng, DTYPES), _pick(case_rng, DTYPES)
+  fused = bool(case_rng.integers(2))
   weight = _normal(rng, (h,), weight_dtype)
   case = (f"rms_norm x [{rows},{h}] {jnp.dtype(dtype).name} weight "
           f"{jnp.dtype(weight_dtype).name} residual={fused}")
   make = lambda count: tuple(_normal(rng, (count, h), dtype) for _ in range(1 + fused))
   op = _rms_norm_residual_rows if fused else _rms_norm_rows
-  check_rows(rng, case, op, (), make(rows), (weight,), make)
+  check_rows(trial, case, op, (), make(rows), (weight,), make)
 
 
 SOFTMAX_FAMILY = {"softmax": jdet.softmax, "log_softmax": jdet.log_softmax,
                   "logsumexp": jdet.logsumexp}
 
 
-def softmax_trial(rng) -> None:
-  name = _pick(rng, tuple(SOFTMAX_FAMILY))
-  n = _pick(rng, (1, 5, 64, 600) if not ON_GPU else (1000, 8192, 32000, 151936))
-  rows = int(rng.integers(1, 25 if not ON_GPU else 300))
-  dtype = _pick(rng, DTYPES)
-  scale = _pick(rng, (1.0, 8.0))
+def softmax_trial(trial: Trial) -> None:
+  case_rng, rng = trial.case_rng, trial.rng
+  name = _pick(case_rng, tuple(SOFTMAX_FAMILY))
+  n = _pick(case_rng, (1, 5, 64, 600) if not ON_GPU else (1000, 8192, 32000, 151936))
+  rows = int(case_rng.integers(1, 25 if not ON_GPU else 300))
+  dtype = _pick(case_rng, DTYPES)
+  scale = _pick(case_rng, (1.0, 8.0))
   case = f"{name} x [{rows},{n}]*{scale} {jnp.dtype(dtype).name}"
   make = lambda count: (_normal(rng, (count, n), dtype, scale),)
-  check_rows(rng, case, SOFTMAX_FAMILY[name], (), make(rows), (), make)
+  check_rows(trial, case, SOFTMAX_FAMILY[name], (), make(rows), (), make)
 
 
 def _token_logprobs_rows(hidden, weight, temperature):
@@ -237,17 +264,18 @@ def _token_logprobs_rows(hidden, weight, temperature):
   return jdet.token_logprobs(hidden, weight, tokens, temperature=temperature)
 
 
-def token_logprobs_trial(rng) -> None:
-  d = _pick(rng, (1, 16, 70) if not ON_GPU else (64, 1024, 4096))
-  vocab = _pick(rng, (1, 33, 400) if not ON_GPU else (1000, 32000, 151936))
-  rows = int(rng.integers(1, 20 if not ON_GPU else 300))
-  dtype = _pick(rng, DTYPES)
-  temperature = _pick(rng, (1.0, 0.7))
+def token_logprobs_trial(trial: Trial) -> None:
+  case_rng, rng = trial.case_rng, trial.rng
+  d = _pick(case_rng, (1, 16, 70) if not ON_GPU else (64, 1024, 4096))
+  vocab = _pick(case_rng, (1, 33, 400) if not ON_GPU else (1000, 32000, 151936))
+  rows = int(case_rng.integers(1, 20 if not ON_GPU else 300))
+  dtype = _pick(case_rng, DTYPES)
+  temperature = _pick(case_rng, (1.0, 0.7))
   weight = _normal(rng, (d, vocab), dtype, d ** -0.5)
   case = (f"token_logprobs hidden [{rows},{d}] weight [{d},{vocab}] {jnp.dtype(dtype).name} "
           f"temperature={temperature}")
   make = lambda count: (_normal(rng, (count, d), dtype),)
-  check_rows(rng, case, _token_logprobs_rows, (("temperature", temperature),), make(rows),
+  check_rows(trial, case, _token_logprobs_rows, (("temperature", temperature),), make(rows),
              (weight,), make)
 
 
@@ -258,20 +286,21 @@ def _attention_rows(query, key, value, is_causal):
                                     key_value_seq_lengths=lengths)
 
 
-def attention_trial(rng) -> None:
-  t = int(rng.integers(1, 20 if not ON_GPU else 300))
-  s = t if rng.integers(2) else int(rng.integers(t, 2 * t + 1))
-  kv = _pick(rng, (1, 2))
-  n = kv * _pick(rng, (1, 2) if not ON_GPU else (1, 4))
-  h = _pick(rng, (16, 32) if not ON_GPU else (64, 128))
-  rows = int(rng.integers(1, 6 if not ON_GPU else 17))
-  dtype = _pick(rng, DTYPES)
-  causal = bool(rng.integers(2))
+def attention_trial(trial: Trial) -> None:
+  case_rng, rng = trial.case_rng, trial.rng
+  t = int(case_rng.integers(1, 20 if not ON_GPU else 300))
+  s = t if case_rng.integers(2) else int(case_rng.integers(t, 2 * t + 1))
+  kv = _pick(case_rng, (1, 2))
+  n = kv * _pick(case_rng, (1, 2) if not ON_GPU else (1, 4))
+  h = _pick(case_rng, (16, 32) if not ON_GPU else (64, 128))
+  rows = int(case_rng.integers(1, 6 if not ON_GPU else 17))
+  dtype = _pick(case_rng, DTYPES)
+  causal = bool(case_rng.integers(2))
   case = (f"dot_product_attention query [{rows},{t},{n},{h}] key/value [{rows},{s},{kv},{h}] "
           f"{jnp.dtype(dtype).name} is_causal={causal}")
   make = lambda count: (_normal(rng, (count, t, n, h), dtype),
                         *(_normal(rng, (count, s, kv, h), dtype) for _ in range(2)))
-  check_rows(rng, case, _attention_rows, (("is_causal", causal),), make(rows), (), make)
+  check_rows(trial, case, _attention_rows, (("is_causal", causal),), make(rows), (), make)
 
 
 GENERATORS = {"matmul": matmul_trial, "sinkhorn": sinkhorn_trial,
@@ -280,41 +309,52 @@ GENERATORS = {"matmul": matmul_trial, "sinkhorn": sinkhorn_trial,
               "dot_product_attention": attention_trial}
 
 
-def trial_rng(op: str, seed: int, index: int) -> np.random.Generator:
+def trial_rng(op: str, seed: int, index: int, stream: int = 0) -> np.random.Generator:
   """The generator of trial ``index`` of ``op`` under ``seed`` (independent of
-  which other ops and trials run)."""
-  return np.random.default_rng([seed, zlib.crc32(op.encode()), index])
+  which other ops and trials run); ``stream`` 1 is a pool case's."""
+  return np.random.default_rng([seed, zlib.crc32(op.encode()), index, stream])
 
 
-def repro_command(op: str, seed: int, index: int) -> str:
+def make_trial(op: str, seed: int, index: int, pool: int | None = None) -> Trial:
+  rng = trial_rng(op, seed, index)
+  if pool is None:
+    return Trial(rng, rng)
+  return Trial(rng, trial_rng(op, seed, index % pool, stream=1), pooled=True)
+
+
+def repro_command(op: str, seed: int, index: int, pool: int | None = None) -> str:
+  pool_arg = "" if pool is None else f", pool={pool}"
   return (f"python -c \"import jdet.fuzz as f; f.run_trial('{op}', seed={seed}, "
-          f"index={index})\"")
+          f"index={index}{pool_arg})\"")
 
 
 def generator(op: str):
-  """The op's trial: its entry in GENERATORS, else its registry ``sweep_case``."""
+  """The op's trial: its entry in GENERATORS, else its registry ``sweep_case``
+  (which draws everything from the trial's data stream)."""
   if op in GENERATORS:
     return GENERATORS[op]
   from jdet._registry import OPS
-  return OPS[op].sweep_case
+  return lambda trial: OPS[op].sweep_case(trial.rng)
 
 
-def run_trial(op: str, *, seed: int, index: int) -> None:
+def run_trial(op: str, *, seed: int, index: int, pool: int | None = None) -> None:
   """Runs one trial; on failure raises AssertionError with the case and the
   command that replays it."""
   try:
-    generator(op)(trial_rng(op, seed, index))
+    generator(op)(make_trial(op, seed, index, pool))
   except AssertionError as err:
     raise AssertionError(f"{op} trial {index} (seed {seed}) failed: {err}\n"
-                         f"REPRO: {repro_command(op, seed, index)}") from None
+                         f"REPRO: {repro_command(op, seed, index, pool)}") from None
 
 
-def main(ops, trials: int, seed: int) -> int:
-  """Runs ``trials`` trials per op; prints a line per op and each failure's
-  repro; returns 0 if every trial passed, else 1."""
+def main(ops, trials: int, seed: int, pool: int | None = None) -> int:
+  """Runs ``trials`` trials per op (drawing their cases from ``pool`` cases per op
+  when given); prints a line per op and each failure's repro; returns 0 if every
+  trial passed, else 1."""
   device = jax.devices()[0]
+  pooled = "" if pool is None else f", cases from a pool of {pool} per op"
   print(f"jdet fuzz on {device.device_kind} ({device.platform}), jax {jax.__version__}: "
-        f"{trials} trials per op, seed {seed}")
+        f"{trials} trials per op, seed {seed}{pooled}")
   from jdet._registry import OPS
   failed = 0
   for op in ops or OPS:
@@ -322,7 +362,7 @@ def main(ops, trials: int, seed: int) -> int:
     for index in range(trials):
       progress_bar(index, trials, op)
       try:
-        run_trial(op, seed=seed, index=index)
+        run_trial(op, seed=seed, index=index, pool=pool)
       except AssertionError as err:
         failures.append(str(err))
     progress_bar(trials, trials, op)

@@ -46,3 +46,25 @@ def test_trials_are_seeded_per_op_and_index():
   assert (first == fuzz.trial_rng("matmul", 3, 7).standard_normal(4)).all()
   assert not (first == fuzz.trial_rng("sinkhorn", 3, 7).standard_normal(4)).all()
   assert not (first == fuzz.trial_rng("matmul", 3, 8).standard_normal(4)).all()
+
+
+def test_a_pool_repeats_cases_and_its_repro_names_it(monkeypatch, capsys):
+  """With --pool 2, trials 0 and 2 draw the same case (shapes, dtypes, options) and
+  different data; a failure's repro carries the pool and replays."""
+  case = lambda index: fuzz.make_trial("softmax", 5, index, pool=2).case_rng.integers(1 << 30)
+  data = lambda index: fuzz.make_trial("softmax", 5, index, pool=2).rng.integers(1 << 30)
+  assert case(0) == case(2) != case(1) and data(0) != data(2)
+
+  def leaky(logits, **options):
+    x = jnp.asarray(logits, jnp.float32)
+    return x * x.shape[0]
+
+  monkeypatch.setattr(jdet, "sinkhorn", leaky)
+  assert cli.main(["check", "--op", "sinkhorn", "--trials", "3", "--seed", "0",
+                   "--pool", "2"]) == 1
+  out = capsys.readouterr().out
+  assert "cases from a pool of 2 per op" in out
+  repro = re.search(r"f.run_trial\('sinkhorn', seed=0, index=(\d+), pool=2\)", out)
+  assert repro, out
+  with pytest.raises(AssertionError, match="differs"):
+    fuzz.run_trial("sinkhorn", seed=0, index=int(repro.group(1)), pool=2)
