@@ -37,10 +37,16 @@ from jax import lax
 import jdet
 from jdet.bench import on_gpu, progress_bar
 from jdet.testing import assert_bitwise_equal
+from pallas_kernels import clear_interpret_executables
 
 ON_GPU = on_gpu()
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 OUTERS = ("jit", "vmap", "scan", "fori_loop")
+# Unpooled trials compile new programs nearly every time; every compiled XLA:CPU
+# program keeps code mapped, and a process may map only so many regions
+# (vm.max_map_count): 385 unpooled CPU matmul trials ran out ("LLVM compilation
+# error: Cannot allocate memory"). So compiled programs are released this often.
+RELEASE_EVERY = 50
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,6 +353,12 @@ def run_trial(op: str, *, seed: int, index: int, pool: int | None = None) -> Non
                          f"REPRO: {repro_command(op, seed, index, pool)}") from None
 
 
+def release_compiled_programs() -> None:
+  """Drops jax's compiled programs and the launchers' interpret-mode kernels."""
+  jax.clear_caches()
+  clear_interpret_executables()
+
+
 def main(ops, trials: int, seed: int, pool: int | None = None) -> int:
   """Runs ``trials`` trials per op (drawing their cases from ``pool`` cases per op
   when given); prints a line per op and each failure's repro; returns 0 if every
@@ -365,6 +377,9 @@ def main(ops, trials: int, seed: int, pool: int | None = None) -> int:
         run_trial(op, seed=seed, index=index, pool=pool)
       except AssertionError as err:
         failures.append(str(err))
+      if pool is None and (index + 1) % RELEASE_EVERY == 0:
+        release_compiled_programs()
+    release_compiled_programs()  # a pool's programs repeat within an op, not across ops
     progress_bar(trials, trials, op)
     seconds = time.perf_counter() - start
     print(f"{op}: {trials - len(failures)} of {trials} trials passed in {seconds:.0f} s")

@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from jdet.bench import on_gpu
-from pallas_kernels._common import clear_interpret_executables
+from pallas_kernels import clear_interpret_executables
 
 
 def pytest_collection_modifyitems(config, items):
