@@ -219,10 +219,10 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
   lhs: [rows, K] (NN, NT) or [K, rows] (TN); rhs: [K, cols] (NN, TN) or
   [cols, K] (NT). Both share a 16-bit dtype; ``tiles``' stages must fit shared
   memory (``pallas_kernels.matmul.fit_stages``). Sizes TMA cannot take are
-  zero-padded here (a copy): the contraction to 64 where it is an operand's minor dimension and to
-  8 where it is the major one, rows to 8; ``cols`` must be a multiple of 64.
-  ``matmul_plan.plan`` sends this kernel only shapes that copy at most the
-  token rows.
+  zero-padded here (a copy): the contraction to 64 where it is an operand's
+  minor dimension and to 8 where it is the major one, rows to 8; ``cols`` must
+  be a multiple of 64. ``matmul_plan.plan`` sends this kernel only shapes that
+  copy at most the token rows.
   """
   if lhs.dtype not in DTYPES or rhs.dtype != lhs.dtype:
     raise TypeError(f"operands must share a 16-bit dtype, got {lhs.dtype} and {rhs.dtype}")
