@@ -361,8 +361,8 @@ def release_compiled_programs() -> None:
 
 def main(ops, trials: int, seed: int, pool: int | None = None) -> int:
   """Runs ``trials`` trials per op (drawing their cases from ``pool`` cases per op
-  when given); prints a line per op and each failure's repro; returns 0 if every
-  trial passed, else 1."""
+  when given); prints each failure and its repro as it happens and a line per op;
+  returns 0 if every trial passed, else 1."""
   device = jax.devices()[0]
   pooled = "" if pool is None else f", cases from a pool of {pool} per op"
   print(f"jdet fuzz on {device.device_kind} ({device.platform}), jax {jax.__version__}: "
@@ -377,14 +377,14 @@ def main(ops, trials: int, seed: int, pool: int | None = None) -> int:
         run_trial(op, seed=seed, index=index, pool=pool)
       except AssertionError as err:
         failures.append(str(err))
+        print(failures[-1], flush=True)  # now, in case the run never ends
       if pool is None and (index + 1) % RELEASE_EVERY == 0:
         release_compiled_programs()
     release_compiled_programs()  # a pool's programs repeat within an op, not across ops
     progress_bar(trials, trials, op)
     seconds = time.perf_counter() - start
-    print(f"{op}: {trials - len(failures)} of {trials} trials passed in {seconds:.0f} s")
-    for message in failures:
-      print(message)
+    print(f"{op}: {trials - len(failures)} of {trials} trials passed in {seconds:.0f} s",
+          flush=True)
     failed += len(failures)
   print(f"{'FAIL' if failed else 'ok'}: {failed} failed trials")
   return 1 if failed else 0
