@@ -35,6 +35,7 @@ import numpy as np
 from jax import lax
 
 import jdet
+from jdet._registry import OPS, SOFTMAX_OPS
 from jdet.bench import on_gpu, progress_bar
 from jdet.testing import assert_bitwise_equal
 from pallas_kernels import clear_interpret_executables
@@ -251,20 +252,16 @@ def rms_norm_trial(trial: Trial) -> None:
   check_rows(trial, case, op, (), make(rows), (weight,), make)
 
 
-SOFTMAX_FAMILY = {"softmax": jdet.softmax, "log_softmax": jdet.log_softmax,
-                  "logsumexp": jdet.logsumexp}
-
-
 def softmax_trial(trial: Trial) -> None:
   case_rng, rng = trial.case_rng, trial.rng
-  name = _pick(case_rng, tuple(SOFTMAX_FAMILY))
+  name = _pick(case_rng, tuple(SOFTMAX_OPS))
   n = _pick(case_rng, (1, 5, 64, 600) if not ON_GPU else (1000, 8192, 32000, 151936))
   rows = int(case_rng.integers(1, 25 if not ON_GPU else 300))
   dtype = _pick(case_rng, DTYPES)
   scale = _pick(case_rng, (1.0, 8.0))
   case = f"{name} x [{rows},{n}]*{scale} {jnp.dtype(dtype).name}"
   make = lambda count: (_normal(rng, (count, n), dtype, scale),)
-  check_rows(trial, case, SOFTMAX_FAMILY[name], (), make(rows), (), make)
+  check_rows(trial, case, SOFTMAX_OPS[name][0], (), make(rows), (), make)
 
 
 def _token_logprobs_rows(hidden, weight, temperature):
@@ -343,7 +340,6 @@ def generator(op: str):
   (which draws everything from the trial's data stream)."""
   if op in GENERATORS:
     return GENERATORS[op]
-  from jdet._registry import OPS
   return lambda trial: OPS[op].sweep_case(trial.rng)
 
 
@@ -371,7 +367,6 @@ def main(ops, trials: int, seed: int, pool: int | None = None) -> int:
   pooled = "" if pool is None else f", cases from a pool of {pool} per op"
   print(f"jdet fuzz on {device.device_kind} ({device.platform}), jax {jax.__version__}: "
         f"{trials} trials per op, seed {seed}{pooled}")
-  from jdet._registry import OPS
   failed = 0
   for op in ops or OPS:
     start, failures = time.perf_counter(), []

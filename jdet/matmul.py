@@ -134,17 +134,8 @@ def gemm(config: _GemmConfig, layout: Layout, lhs, rhs, *, out_dtype):
   NN: lhs [G, rows, K], rhs [Gb, K, cols]; NT: lhs [G, rows, K], rhs [Gb, cols, K]
   (Gb in {1, G}); TN: lhs [G, R, rows], rhs [G, R, cols], reduced over R.
   """
-  g = lhs.shape[0]
-  if layout is Layout.TN:
-    contraction, rows = lhs.shape[1:]
-  else:
-    rows, contraction = lhs.shape[1:]
-  cols = rhs.shape[1] if layout is Layout.NT else rhs.shape[2]
-  plan = matmul_plan.plan(layout, rows, cols, contraction, dtype=lhs.dtype,
-                          out_dtype=out_dtype, groups=g, backend=config.backend,
-                          interpret=config.interpret)
-  return matmul_plan.launch(plan, lhs, rhs, layout=layout, out_dtype=out_dtype,
-                            precision=config.precision)
+  return matmul_plan.run(layout, lhs, rhs, out_dtype=out_dtype, precision=config.precision,
+                         backend=config.backend, interpret=config.interpret)
 
 
 def _batched(a, b, batch, config):

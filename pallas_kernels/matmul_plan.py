@@ -1,5 +1,5 @@
 """Every routing decision of the batch-invariant GEMM: :func:`plan` picks the
-kernel and its tiles, :func:`launch` runs a plan.
+kernel and its tiles, :func:`launch` runs a plan, :func:`run` does both.
 
 Three kernels compute the GEMM, all under the numerics contract of
 :mod:`pallas_kernels.matmul` (the contraction in ``BLOCK_K`` steps in increasing
@@ -169,13 +169,13 @@ def launch(plan_: Plan, lhs, rhs, *, layout: Layout, out_dtype, precision=None):
     return _mosaic_launcher(layout, out_dtype, plan_.tiles)(lhs, rhs)
   if plan_.kernel is Kernel.JAX_TRITON:
     from pallas_kernels import jax_triton_matmul
-    run = jax_triton_matmul.matmul_at_b if layout is Layout.TN else functools.partial(
+    launcher = jax_triton_matmul.matmul_at_b if layout is Layout.TN else functools.partial(
         jax_triton_matmul.matmul, transpose_b=layout is Layout.NT)
-    return run(lhs, rhs, out_dtype=out_dtype, precision=precision, tiles=plan_.tiles)
-  run = pallas_triton.matmul_at_b if layout is Layout.TN else functools.partial(
+    return launcher(lhs, rhs, out_dtype=out_dtype, precision=precision, tiles=plan_.tiles)
+  launcher = pallas_triton.matmul_at_b if layout is Layout.TN else functools.partial(
       pallas_triton.matmul, transpose_b=layout is Layout.NT)
-  return run(lhs, rhs, out_dtype=out_dtype, precision=precision, tiles=plan_.tiles,
-             interpret=plan_.interpret)
+  return launcher(lhs, rhs, out_dtype=out_dtype, precision=precision, tiles=plan_.tiles,
+                  interpret=plan_.interpret)
 
 
 @functools.cache
@@ -183,30 +183,36 @@ def _mosaic_launcher(layout: Layout, out_dtype, tiles: mosaic.HopperTiles):
   """The Mosaic GPU kernel on [1, ...] operands, with a vmap rule that re-plans."""
 
   @jax.custom_batching.custom_vmap
-  def run(lhs, rhs):
+  def mosaic_gemm(lhs, rhs):
     return mosaic.matmul(lhs[0], rhs[0], layout=layout, out_dtype=out_dtype, tiles=tiles)[None]
 
-  @run.def_vmap
-  def run_batched(axis_size, in_batched, lhs, rhs):
+  @mosaic_gemm.def_vmap
+  def mosaic_gemm_batched(axis_size, in_batched, lhs, rhs):
     lhs_batched, rhs_batched = in_batched
     lhs = lhs if lhs_batched else jnp.broadcast_to(lhs, (axis_size, *lhs.shape))
     if layout is not Layout.TN and not rhs_batched:
       rows = lhs.shape[2]
       folded = lhs.reshape(1, axis_size * rows, lhs.shape[3])
-      out = _replanned(layout, folded, rhs, 1, out_dtype)
+      out = run(layout, folded, rhs, out_dtype=out_dtype)
       return out.reshape(axis_size, 1, rows, -1), True
     rhs = rhs if rhs_batched else jnp.broadcast_to(rhs, (axis_size, *rhs.shape))
     grouped = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in (lhs, rhs)]
-    out = _replanned(layout, *grouped, axis_size, out_dtype)
+    out = run(layout, *grouped, out_dtype=out_dtype)
     return out.reshape(axis_size, 1, *out.shape[1:]), True
 
-  return run
+  return mosaic_gemm
 
 
-def _replanned(layout: Layout, lhs, rhs, groups: int, out_dtype):
-  rows = lhs.shape[2] if layout is Layout.TN else lhs.shape[1]
+def run(layout: Layout, lhs, rhs, *, out_dtype, precision=None, backend: str = "pallas",
+        interpret: bool = False):
+  """Plans and runs the ``G`` GEMMs of operands shaped as the module docstring
+  says (their shapes give rows, cols, contraction and groups); returns
+  [G, rows, cols] in ``out_dtype``."""
+  if layout is Layout.TN:
+    contraction, rows = lhs.shape[1:]
+  else:
+    rows, contraction = lhs.shape[1:]
   cols = rhs.shape[1] if layout is Layout.NT else rhs.shape[2]
-  contraction = lhs.shape[1] if layout is Layout.TN else lhs.shape[2]
   chosen = plan(layout, rows, cols, contraction, dtype=lhs.dtype, out_dtype=out_dtype,
-                groups=groups)
-  return launch(chosen, lhs, rhs, layout=layout, out_dtype=out_dtype)
+                groups=lhs.shape[0], backend=backend, interpret=interpret)
+  return launch(chosen, lhs, rhs, layout=layout, out_dtype=out_dtype, precision=precision)
