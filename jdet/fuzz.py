@@ -37,8 +37,7 @@ from jax import lax
 import jdet
 from jdet._registry import OPS, SOFTMAX_OPS
 from jdet.bench import on_gpu, progress_bar
-from jdet.testing import assert_bitwise_equal
-from pallas_kernels import clear_interpret_executables
+from jdet.testing import assert_bitwise_equal, release_compiled_programs
 
 ON_GPU = on_gpu()
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -351,12 +350,6 @@ def run_trial(op: str, *, seed: int, index: int, pool: int | None = None) -> Non
   except AssertionError as err:
     raise AssertionError(f"{op} trial {index} (seed {seed}) failed: {err}\n"
                          f"REPRO: {repro_command(op, seed, index, pool)}") from None
-
-
-def release_compiled_programs() -> None:
-  """Drops jax's compiled programs and the launchers' interpret-mode kernels."""
-  jax.clear_caches()
-  clear_interpret_executables()
 
 
 def main(ops, trials: int, seed: int, pool: int | None = None) -> int:

@@ -28,8 +28,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from pallas_kernels import clear_interpret_executables
+
 __all__ = ["assert_batch_invariant", "assert_deterministic", "assert_bitwise_equal",
-           "audit", "Finding", "bits", "random_normal", "relative_error"]
+           "audit", "Finding", "bits", "random_normal", "relative_error",
+           "release_compiled_programs"]
+
+
+def release_compiled_programs() -> None:
+  """Drops jax's compiled programs and jdet's interpret-mode kernels. Every compiled
+  XLA:CPU program keeps JIT code mapped, and a process may map only so many regions
+  (vm.max_map_count): a long CPU run that compiles new shapes (a test suite, the
+  fuzz) must release them now and then, or a later compile fails."""
+  jax.clear_caches()
+  clear_interpret_executables()
 
 
 def bits(x) -> np.ndarray:

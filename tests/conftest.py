@@ -2,11 +2,10 @@
 
 import importlib.util
 
-import jax
 import pytest
 
 from jdet.bench import on_gpu
-from pallas_kernels import clear_interpret_executables
+from jdet.testing import release_compiled_programs
 
 
 def pytest_collection_modifyitems(config, items):
@@ -34,9 +33,7 @@ def matmul_backend(request):
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-  """Drops jax's compiled programs after each test module: every XLA:CPU executable
-  keeps JIT code mapped, and the whole suite's would pass the kernel's limit on a
-  process's memory maps (vm.max_map_count; the suite crashed with SIGSEGV in a compile)."""
+  """Releases compiled programs after each test module (the whole suite's would pass
+  vm.max_map_count: it crashed with SIGSEGV in a compile)."""
   yield
-  jax.clear_caches()
-  clear_interpret_executables()
+  release_compiled_programs()
