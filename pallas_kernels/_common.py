@@ -147,11 +147,24 @@ def reciprocal(x, *, approx: bool):
 
 
 def uncontracted(x, *, native: bool):
-  """``x`` as a value of its own in interpret mode (an optimization barrier), so
-  that XLA:CPU cannot contract the multiply that made it into a later add or
-  reduction, which it decides per program (a loop with one trip is inlined into
-  its surroundings, say); unchanged on the GPU."""
-  return x if native else lax.optimization_barrier(x)
+  """``x`` as a value of its own in interpret mode, so that XLA:CPU cannot
+  contract the multiply that made it into a later add or subtraction (one FMA),
+  which it decides per program: a grid or loop of one trip is inlined into its
+  surroundings, say. Unchanged on the GPU.
+
+  ``lax.optimization_barrier`` does not do this: XLA:CPU fuses through it, and
+  LLVM contracts any ``fmul`` that feeds an ``fadd``/``fsub`` directly. So the
+  value passes through an integer select that XLA and LLVM cannot fold away (it
+  maps the all-ones NaN pattern to the canonical NaN): the add then reads a
+  select, not a multiply. Only that one NaN payload changes.
+  """
+  if native:
+    return x
+  bits_type = jnp.dtype(f"int{8 * jnp.dtype(x.dtype).itemsize}")
+  bits = lax.bitcast_convert_type(x, bits_type)
+  canonical_nan = lax.bitcast_convert_type(jnp.array(jnp.nan, x.dtype), bits_type)
+  bits = jnp.where(bits == -1, canonical_nan, bits)
+  return lax.bitcast_convert_type(bits, x.dtype)
 
 
 def multiply_add(a, b, c, *, fused: bool):

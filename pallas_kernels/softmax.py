@@ -53,7 +53,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params, divide, launcher,
-                                    multiply, multiply_add, pad_axis, store_block)
+                                    multiply, multiply_add, pad_axis, store_block,
+                                    uncontracted)
 
 SOFTMAX, LOG_SOFTMAX, LOGSUMEXP = "softmax", "log_softmax", "logsumexp"
 KINDS = (SOFTMAX, LOG_SOFTMAX, LOGSUMEXP)
@@ -281,12 +282,13 @@ def row_backward_kernel(x_ref, m_ref, s_ref, g_ref, dx_ref, *, kind: str, rows: 
 
 
 def _scaled(x, inv_temperature: float, native: bool):
-  """x * inv_temperature (1.0: x itself). On the GPU one ``mul.rn.f32``, which
-  ptxas never contracts with the subtraction that follows into a fused
-  multiply-add, so the product is rounded on its own as XLA's multiply is."""
+  """x * inv_temperature (1.0: x itself), rounded on its own as XLA's multiply is:
+  on the GPU one ``mul.rn.f32``, which ptxas never contracts with the subtraction
+  that follows into a fused multiply-add; in interpret mode :func:`uncontracted`."""
   if inv_temperature == 1.0:
     return x
-  return multiply(x, inv_temperature) if native else x * inv_temperature
+  return multiply(x, inv_temperature) if native else uncontracted(x * inv_temperature,
+                                                                  native=False)
 
 
 def token_chunk_update_kernel(x_ref, tok_ref, m_ref, s_ref, p_ref, m_out, s_out, p_out, *,
@@ -426,13 +428,9 @@ def token_chunk_update(logits, tokens, m, s, picked, *, inv_temperature: float,
 
   The product is rounded on its own, as XLA's ``logits / temperature`` is (XLA
   rewrites a division by a scalar into a multiplication by its float32
-  reciprocal): in-kernel on the GPU (:func:`_scaled`); in interpret mode by XLA
-  before the launch, since XLA:CPU may fuse an in-kernel product with the
-  subtraction after it into one FMA.
+  reciprocal): see :func:`_scaled`.
   """
   rows, length = logits.shape
-  if interpret and inv_temperature != 1.0:
-    logits, inv_temperature = logits * jnp.float32(inv_temperature), 1.0
   state = [jax.ShapeDtypeStruct((rows, 1), jnp.float32)] * 3
   out = _call(
       functools.partial(token_chunk_update_kernel, inv_temperature=inv_temperature,
