@@ -68,6 +68,13 @@ class HopperTiles:
     """Program tiles covering a rows x cols result."""
     return cdiv(rows, self.block_m) * cdiv(cols, self.block_cols)
 
+  def fits(self, rows: int, cols: int) -> bool:
+    """Whether the program tile lies inside a rows x cols result (edge tiles may
+    overhang it). The kernel takes each tile as a slice of the result and the
+    operands; a slice longer than its dimension gave wrong rows on the H100 (a
+    64-column result with a 128-column tile)."""
+    return self.block_m <= rows and self.block_cols <= cols
+
   def stage_bytes(self, dtype) -> int:
     return (self.block_m + self.block_cols) * BLOCK_K * jnp.dtype(dtype).itemsize
 
@@ -221,8 +228,9 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
   memory (``pallas_kernels.matmul.fit_stages``). Sizes TMA cannot take are
   zero-padded here (a copy): the contraction to 64 where it is an operand's
   minor dimension and to 8 where it is the major one, rows to 8; ``cols`` must
-  be a multiple of 64. ``matmul_plan.plan`` sends this kernel only shapes that
-  copy at most the token rows.
+  be a multiple of 64, and ``tiles`` must fit the result (``HopperTiles.fits``).
+  ``matmul_plan.plan`` sends this kernel only shapes that copy at most the token
+  rows.
   """
   if lhs.dtype not in DTYPES or rhs.dtype != lhs.dtype:
     raise TypeError(f"operands must share a 16-bit dtype, got {lhs.dtype} and {rhs.dtype}")
@@ -242,6 +250,9 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
   cols = rhs.shape[0] if layout is Layout.NT else rhs.shape[1]
   if cols % TMA_MINOR:
     raise ValueError(f"the result's columns must be a multiple of {TMA_MINOR}, got {cols}")
+  if not tiles.fits(padded_rows, cols):
+    raise ValueError(f"{tiles} does not fit a {padded_rows} x {cols} result "
+                     f"(HopperTiles.fits)")
   return _launch(lhs, rhs, layout=layout, out_dtype=out_dtype, tiles=tiles,
                  rows=padded_rows, cols=cols, k_steps=k_steps)[:rows]
 

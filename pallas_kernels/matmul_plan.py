@@ -8,11 +8,12 @@ may choose by any size, the token count included. It chooses speed, never bits:
 
 * ``Kernel.MOSAIC_GPU`` (:mod:`pallas_kernels.hopper_matmul`): TMA + wgmma on a
   persistent grid. An H100, 16-bit operands, one problem (no groups), more than
-  ``hopper_matmul.LADDER_ROWS`` rows for the forward and dA, and sizes that TMA's
-  tiled copies take without a padded copy of the weight: every minor dimension
-  a multiple of 64, so the contraction too where it is minor (the forward's
-  and dA's K). Where the token count is not a multiple of 8 (TMA's row tile)
-  the launcher copies the token-sized operands padded to 8 rows.
+  ``hopper_matmul.LADDER_ROWS`` rows for the forward and dA, a result no
+  smaller than a program tile, and sizes that TMA's tiled copies take without a
+  padded copy of the weight: every minor dimension a multiple of 64, so the
+  contraction too where it is minor (the forward's and dA's K). Where the token
+  count is not a multiple of 8 (TMA's row tile) the launcher copies the
+  token-sized operands padded to 8 rows.
 * ``Kernel.PALLAS_TRITON`` (:mod:`pallas_kernels.matmul`): the Pallas Triton
   lowering, masked edges, no copies; every other GEMM, and every GEMM in
   interpret mode (CPU) with one fixed tile.
@@ -135,11 +136,11 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
   """The Mosaic GPU kernel's tiles, or None where it does not run (see the module
   docstring): TMA tiles every operand's minor dimension by 64 and its major one
   by 8, so those sizes must divide, except the token count, which the launcher
-  pads to 8."""
+  pads to 8; and a program tile must fit the result (``HopperTiles.fits``)."""
   if not device.is_hopper or dtype not in mosaic.DTYPES or groups != 1 or cols % 64:
     return None
   if layout is Layout.TN:
-    tiles = mosaic.TILES if rows % 64 == 0 else None
+    tiles = mosaic.TILES if rows % 64 == 0 and mosaic.TILES.fits(rows, cols) else None
   elif rows > mosaic.LADDER_ROWS and contraction % 64 == 0:
     tiles = mosaic_row_tiles(rows, cols, device.sm_count)
   else:
@@ -147,15 +148,16 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
   return tiles and pallas_triton.fit_stages(tiles, dtype, out_dtype)
 
 
-def mosaic_row_tiles(rows: int, cols: int, num_sms: int) -> mosaic.HopperTiles:
-  """The ROW_TILES entry with the least estimated time for a rows x cols result:
-  waves x tile area / throughput, where waves = ceil(tiles / SMs). With a fixed
-  K order no program may take part of another's contraction, so the choice is
-  about filling the last wave."""
+def mosaic_row_tiles(rows: int, cols: int, num_sms: int) -> mosaic.HopperTiles | None:
+  """The ROW_TILES entry that fits a rows x cols result (``HopperTiles.fits``)
+  with the least estimated time: waves x tile area / throughput, where waves =
+  ceil(tiles / SMs); None if none fits. With a fixed K order no program may take part of
+  another's contraction, so the choice is about filling the last wave."""
   def estimated_time(tiles):
     waves = cdiv(tiles.tile_count(rows, cols), num_sms)
     return waves * tiles.block_m * tiles.block_cols / tiles.throughput
-  return min(mosaic.ROW_TILES, key=estimated_time)
+  return min((t for t in mosaic.ROW_TILES if t.fits(rows, cols)), key=estimated_time,
+             default=None)
 
 
 def launch(plan_: Plan, lhs, rhs, *, layout: Layout, out_dtype, precision=None):

@@ -256,21 +256,25 @@ def test_plan_interpret_and_backend_choices():
 
 def test_plan_sends_mosaic_only_what_tma_takes_without_copying_the_weight():
   """The Mosaic GPU kernel runs 16-bit GEMMs of one problem with 64-aligned
-  result columns, the forward and dA above LADDER_ROWS rows with a 64-aligned K,
-  dB with 64-aligned K of the weight whatever the token count."""
+  result columns and a result no smaller than one of its tiles: the forward and
+  dA above LADDER_ROWS rows with a 64-aligned K, dB with 64-aligned K of the
+  weight whatever the token count."""
   for layout in Layout:
-    for rows in (1, 64, 128, 129, 300, 777, 4096):
-      for cols in (1000, 1024, 4096, 13824):
+    for rows in (1, 64, 128, 129, 192, 300, 777, 4096):
+      for cols in (64, 128, 192, 320, 1000, 1024, 4096, 13824):
         for contraction in (100, 777, 3000, 4096):
           chosen = _plan(layout, rows, cols, contraction)
           if layout is Layout.TN:
-            mosaic_fits = rows % 64 == 0 and cols % 64 == 0
+            mosaic_fits = rows % 64 == 0 and cols % 64 == 0 and hopper.TILES.fits(rows, cols)
             assert chosen == _plan(layout, rows, cols, 1), "dB's plan sees the token count"
           else:
             mosaic_fits = (rows > hopper.LADDER_ROWS and cols % 64 == 0
-                           and contraction % 64 == 0)
+                           and contraction % 64 == 0
+                           and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
           assert (chosen.kernel is Kernel.MOSAIC_GPU) == mosaic_fits, (layout, rows, cols,
                                                                         contraction, chosen)
+          if chosen.kernel is Kernel.MOSAIC_GPU:
+            assert chosen.tiles.fits(rows, cols), (layout, rows, cols, chosen)
           assert kernels.fit_stages(chosen.tiles, bf16, bf16) == chosen.tiles
 
 
@@ -304,6 +308,7 @@ def test_plan_mosaic_row_tile_rule():
   assert pick(640, 4096) == pick(256, 12288) == narrow  # 110 / 128 programs of 128 x 192
   assert pick(640, 12288) == pick(512, 32000) == pick(16384, 4096) == big
   assert _plan(Layout.NN, 4096, 4096, 4096).tiles == pick(4096, 4096)
+  assert pick(4096, 192).fits(4096, 192) and pick(4096, 64) is None  # only tiles that fit
   with pytest.raises(ValueError, match="split_rows needs block_m = 128"):
     hopper.HopperTiles(64, 128, split_rows=True)
 
@@ -328,7 +333,7 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype):
                       out_dtype=dtype).kernel is Kernel.MOSAIC_GPU:
     tiles = [hopper.TILES] if layout is Layout.TN else hopper.ROW_TILES
     plans += [matmul_plan.Plan(Kernel.MOSAIC_GPU, kernels.fit_stages(t, dtype, dtype))
-              for t in tiles]
+              for t in tiles if t.fits(rows, cols)]
   return plans
 
 
@@ -365,7 +370,8 @@ def _one_size_per_plan(rows_limit: int, cols: int, contraction: int, layout) -> 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("k,n", BENCHMARK_KN + ((1000, 3000), (3000, 1000), (5120, 13824)))
+@pytest.mark.parametrize("k,n", BENCHMARK_KN + ((1000, 3000), (3000, 1000), (5120, 13824),
+                                                (64, 192), (192, 320)))
 def test_gpu_invariance_envelope_every_kernel(k, n):
   """Every kernel and tile the plan can choose gives the same bits at full size,
   forward, dA and dB, and every plan jdet.matmul takes for M from 1 to 16411 gives
