@@ -8,6 +8,8 @@ import sys
 
 
 def main(argv=None) -> int:
+  from jdet.testing import synchronous_cpu_dispatch
+  synchronous_cpu_dispatch()  # before the first computation: see its docstring
   from jdet._registry import OPS
   parser = argparse.ArgumentParser(prog="python -m jdet", description=__doc__)
   sub = parser.add_subparsers(dest="command", required=True)

@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from pallas_kernels import clear_interpret_executables
+from pallas_kernels import clear_interpret_executables, synchronous_cpu_dispatch
 
 __all__ = ["assert_batch_invariant", "assert_deterministic", "assert_bitwise_equal",
            "audit", "Finding", "bits", "random_normal", "relative_error",
-           "release_compiled_programs"]
+           "release_compiled_programs", "synchronous_cpu_dispatch"]
 
 
 def release_compiled_programs() -> None:

@@ -52,6 +52,22 @@ def clear_interpret_executables():
     cache.clear()
 
 
+def synchronous_cpu_dispatch() -> None:
+  """Makes XLA:CPU run each program on the thread that dispatches it
+  (``jax_cpu_enable_async_dispatch=False``); call it before the process's first
+  computation, as the test suite and ``python -m jdet`` do.
+
+  An interpret-mode :func:`launcher` runs its kernel's program from a host
+  callback while the program that made the callback is still running. With
+  asynchronous dispatch XLA:CPU admits a bounded number of programs in flight
+  per device (32 in jaxlib 0.10.2); once the caller has queued that many behind
+  the running one, the kernel's program waits for a slot that never frees and
+  the process deadlocks (the jdet fuzz hung after 40-988 trials; with this, 1,000
+  trials of each op ran through).
+  """
+  jax.config.update("jax_cpu_enable_async_dispatch", False)
+
+
 def launcher(fn):
   """Declares ``fn`` a kernel launcher: ``jax.jit`` with every keyword-only
   argument static and, with ``interpret=True``, a program of its own.
@@ -69,7 +85,8 @@ def launcher(fn):
   jitted launcher from a host callback instead: it is compiled once per
   shape and options, whatever program surrounds it. Under ``vmap`` the
   callback runs once per batch entry on unbatched shapes (bitwise the same as
-  calling the launcher on each entry). Callbacks do not support ``jax.export``.
+  calling the launcher on each entry). Callbacks do not support ``jax.export``,
+  and a process that runs many of them needs :func:`synchronous_cpu_dispatch`.
   """
   keyword_only = tuple(name for name, p in inspect.signature(fn).parameters.items()
                        if p.kind is inspect.Parameter.KEYWORD_ONLY)
@@ -249,4 +266,5 @@ __all__ = [
     "reciprocal",
     "store_block",
     "sum_in_order",
+    "synchronous_cpu_dispatch",
 ]

@@ -4,8 +4,11 @@ import importlib.util
 
 import pytest
 
-from jdet.bench import on_gpu
-from jdet.testing import release_compiled_programs
+from jdet.testing import release_compiled_programs, synchronous_cpu_dispatch
+
+synchronous_cpu_dispatch()  # before the first computation: see its docstring
+
+from jdet.bench import on_gpu  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
