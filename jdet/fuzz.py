@@ -17,9 +17,9 @@ AssertionError whose message describes the case (op, shapes, dtype, options,
 transform, rows). Ops without one run their registry ``sweep_case``.
 :func:`run_trial` seeds the trial from (seed, op, index) and adds the one-line
 command that replays it. ``--pool P`` draws each trial's case from P cases per
-op and its batches from one or two times the case's rows, so that compiled
-programs repeat: what makes 10^4 trials affordable where every new shape
-compiles.
+op, its batches from one or two times the case's rows and their layouts from
+two per batch, so that compiled programs repeat: what makes 10^4 trials
+affordable where every new shape compiles.
 """
 
 from __future__ import annotations
@@ -54,8 +54,9 @@ class Trial:
   """A trial's random streams: ``case_rng`` draws the case (shapes, dtypes,
   options), ``rng`` the data, the batch composition and the transform. Without
   a pool they are one stream. With one (``pooled``), trial ``index`` takes case
-  ``index % pool`` and batches of one or two times its rows, so the compiled
-  programs repeat from trial to trial."""
+  ``index % pool``, batches of one or two times its rows and, of their layouts,
+  the first two leading-dim splits or the fewest and the most chunks, so the
+  compiled programs repeat from trial to trial."""
   rng: np.random.Generator
   case_rng: np.random.Generator
   pooled: bool = False
@@ -148,10 +149,13 @@ def check_rows(trial: Trial, case: str, op, options: tuple, batched: tuple, shar
   feature = lambda x: x.shape[1:]
   if outer == "jit":
     splits = [(d, total // d) for d in _divisors(total)[1:-1]] if leading_dims else []
-    lead = _pick(rng, [(total,), *splits])
+    lead = _pick(rng, [(total,), *splits][:2 if trial.pooled else None])
     layout = f"leading dims {lead}"
   else:
-    chunks = _pick(rng, _divisors(total)[1:] or [1])
+    chunk_counts = _divisors(total)[1:] or [1]
+    if trial.pooled:  # the fewest and the most chunks: layouts repeat too
+      chunk_counts = sorted({chunk_counts[0], chunk_counts[-1]})
+    chunks = _pick(rng, chunk_counts)
     lead = (chunks, total // chunks)
     layout = f"{chunks} chunks of {total // chunks}"
   args = tuple(x.reshape(lead + feature(x)) for x in mixed)
