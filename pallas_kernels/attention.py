@@ -42,8 +42,8 @@ the row sits in its tile):
     a plain ``mul.f32`` feeding an ``add.f32`` may become an FMA or not
     depending on the code around it; so one line of Python rounds the same in
     every kernel that runs it. In interpret mode the products go through
-    ``optimization_barrier`` so XLA:CPU cannot contract them differently in
-    different programs.
+    ``uncontracted`` so XLA:CPU cannot contract them differently in different
+    programs.
   * The prefill, split and combine kernels launch with the same warps and
     stages, and the prefill and split kernels issue the same dots from the
     same tiles (``[block_q, W] x [W, block_k]``, ``[block_q, block_k] x
@@ -167,7 +167,7 @@ def unpack_rows(x, seq_len: int):
 def _mul(a, b, native: bool):
   """``a * b`` rounded on its own whatever consumes it: one ``mul.rn.f32`` on the
   GPU (neither LLVM nor ptxas fuses an instruction with an explicit rounding
-  mode into a later add), an optimization barrier in interpret mode."""
+  mode into a later add), :func:`uncontracted` in interpret mode."""
   return multiply(a, b) if native else uncontracted(a * b, native=False)
 
 
