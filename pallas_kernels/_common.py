@@ -190,10 +190,13 @@ def multiply_add(a, b, c, *, fused: bool):
   ``fused=True`` (GPU only) is one ``fma.rn.f32``, a single rounding: jaxlib's
   Triton pipeline does not contract a multiply and an add on its own (Nsight
   Compute counted 2 fused of ~3,800 FP32 instructions per token in the Sinkhorn
-  backward). Interpret mode needs ``fused=False``. Either way a value's bits
-  depend on its operands alone.
+  backward). ``fused=False`` (interpret mode) rounds the product on its own
+  (:func:`uncontracted`), whatever program the kernel ends up in. Either way a
+  value's bits depend on its operands alone.
   """
-  return _ptx_f32("fma.rn.f32 $0, $1, $2, $3;", a, b, c) if fused else a * b + c
+  if fused:
+    return _ptx_f32("fma.rn.f32 $0, $1, $2, $3;", a, b, c)
+  return uncontracted(a * b, native=False) + c
 
 
 def block_mask(start, block: int, limit: int):

@@ -37,7 +37,7 @@ the row sits in its tile):
     rounding mode: the logit scaling and the merge's rescaling products are
     ``mul.rn.f32``, the state updates (``l * alpha + l_block``,
     ``acc * alpha + p @ V`` and the merge's) one ``fma.rn.f32`` each, the
-    normalisation ``acc / l`` ``div.rn.f32`` (:func:`_mul`, :func:`_fma`,
+    normalisation ``acc / l`` ``div.rn.f32`` (:func:`_mul`, ``multiply_add``,
     ``divide``). Neither LLVM nor ptxas contracts such an instruction, whereas
     a plain ``mul.f32`` feeding an ``add.f32`` may become an FMA or not
     depending on the code around it; so one line of Python rounds the same in
@@ -171,13 +171,6 @@ def _mul(a, b, native: bool):
   return multiply(a, b) if native else uncontracted(a * b, native=False)
 
 
-def _fma(a, b, c, native: bool):
-  """``a * b + c``: one ``fma.rn.f32`` on the GPU, two roundings in interpret mode."""
-  if native:
-    return multiply_add(a, b, c, fused=True)
-  return _mul(a, b, native) + c
-
-
 def _logits(q, k, st: _Static):
   """Base-2 logits ``(q . k) * scale * log2(e)`` in float32, the scaling rounded
   on its own (never fused into the ``s - max`` that follows)."""
@@ -204,8 +197,9 @@ def _merge(total, part, native: bool):
   shift = _finite_or_zero(m_new)
   alpha = jnp.exp2(m_tot - shift)
   beta = jnp.exp2(m_part - shift)
-  l_new = _fma(l_tot, alpha, _mul(l_part, beta, native), native)
-  acc_new = _fma(acc_tot, alpha[:, None], _mul(acc_part, beta[:, None], native), native)
+  l_new = multiply_add(l_tot, alpha, _mul(l_part, beta, native), fused=native)
+  acc_new = multiply_add(acc_tot, alpha[:, None], _mul(acc_part, beta[:, None], native),
+                         fused=native)
   return m_new, l_new, acc_new
 
 
@@ -292,7 +286,8 @@ def _block_step(kb, state, *, q, k_ref, v_ref, base, row_pos, key_limit, masked:
   l_block = jnp.max(uncontracted(dot_f32(p, ones, precision=st.precision), native=st.native),
                     axis=1)
   pv = uncontracted(dot_f32(p, v, precision=st.precision), native=st.native)
-  return m_new, _fma(l, alpha, l_block, st.native), _fma(acc, alpha[:, None], pv, st.native)
+  return (m_new, multiply_add(l, alpha, l_block, fused=st.native),
+          multiply_add(acc, alpha[:, None], pv, fused=st.native))
 
 
 def _chunk_state(q, k_ref, v_ref, *, base, first_block, end_block, clear_end, row_pos,
