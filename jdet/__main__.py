@@ -28,7 +28,11 @@ def main(argv=None) -> int:
   bench = sub.add_parser("bench", help="timings versus XLA, as a table and a plot")
   bench.add_argument("--op", choices=list(OPS), action="append",
                      help="only this op (repeatable); default: all")
-  bench.add_argument("--out", default=None, help="folder for results.md and results.png")
+  bench.add_argument("--out", default=None,
+                     help="folder for results.md and results.png (first_call.* with --first-call)")
+  bench.add_argument("--first-call", action="store_true",
+                     help="instead of steady-state times, the first call's latency (trace, "
+                          "compile, run) at three sizes nothing else compiled, vs the baseline's")
   args = parser.parse_args(argv)
   if args.command == "check" and args.trials is not None:
     if args.trials < 1:
@@ -40,24 +44,26 @@ def main(argv=None) -> int:
   if args.command == "check":
     from jdet import check as check_module
     return check_module.main(args.op, full=False if args.small else None)
-  return _bench(args.op or list(OPS), args.out)
+  return _bench(args.op or list(OPS), args.out, first_call=args.first_call)
 
 
-def _bench(ops, out_dir) -> int:
+def _bench(ops, out_dir, *, first_call: bool = False) -> int:
   from jdet import bench
   from jdet._registry import OPS
-  rows = bench.report("jdet bench", [c for op in ops for c in OPS[op].bench_cases(bench.on_gpu())])
+  title = "jdet bench --first-call" if first_call else "jdet bench"
+  builders = [OPS[op].first_call_cases if first_call else OPS[op].bench_cases for op in ops]
+  rows = bench.report(title, [c for build in builders for c in build(bench.on_gpu())],
+                      first_call=first_call)
   if out_dir:
     os.makedirs(out_dir, exist_ok=True)
-    markdown = os.path.join(out_dir, "results.md")
-    with open(markdown, "w") as f:
-      f.write(f"# jdet bench on {bench.device_description()}\n\n")
+    stem = os.path.join(out_dir, "first_call" if first_call else "results")
+    with open(stem + ".md", "w") as f:
+      f.write(f"# {title} on {bench.device_description()}\n\n")
       if bench.interpret_warning():
         f.write(bench.interpret_warning() + "\n\n")
       f.write(bench.markdown_table(rows) + "\n")
-    png = os.path.join(out_dir, "results.png")
-    print(f"wrote {markdown}" + (f" and {png}" if bench.plot(rows, png) else
-                                 " (no plot: install matplotlib, e.g. pip install -e '.[plot]')"))
+    print(f"wrote {stem}.md" + (f" and {stem}.png" if bench.plot(rows, stem + ".png") else
+                                " (no plot: install matplotlib, e.g. pip install -e '.[plot]')"))
   return 0
 
 

@@ -1,8 +1,9 @@
 """The op registry: one entry per jdet op, read by everything that iterates over ops.
 
 ``python -m jdet check`` runs each entry's ``check_cases``, ``python -m jdet bench``
-its ``bench_cases``, ``tests/test_properties.py`` its ``sweep_case`` and the
-sharding test (``tests/sharded_check.py``) its ``sharding_case``. Adding an op
+its ``bench_cases`` (``--first-call``: its ``first_call_cases``, the bench cases at
+three sizes nothing else uses), ``tests/test_properties.py`` its ``sweep_case`` and
+the sharding test (``tests/sharded_check.py``) its ``sharding_case``. Adding an op
 means writing its module (``jdet/<op>.py`` over ``pallas_kernels/<op>.py``) and
 one entry here::
 
@@ -20,7 +21,11 @@ one entry here::
     def _my_op_sharding(rng):          # -> (fn, batched input, *shared inputs)
       return jdet.my_op, random_normal(rng, (16, 32))
 
-    Op("my_op", _my_op_check, _my_op_bench, _my_op_sweep, _my_op_sharding)
+    def _my_op_first_call(full):       # -> list[BenchCase] at first_call_sizes(full)
+      ...
+
+    Op("my_op", _my_op_check, _my_op_bench, _my_op_sweep, _my_op_sharding,
+       _my_op_first_call)
 
 and adding it to :data:`OPS`. Every case builder takes ``full`` (production
 sizes on a GPU) or a seeded ``rng`` and builds its inputs with
@@ -48,6 +53,18 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # Batch sizes every CPU check case tries besides the whole batch, single rows, padding
 # and vmap: each size compiles interpret-mode programs, which is most of the CPU time.
 CPU_CHECK_SIZES = (1, 3)
+# First-call latency (``python -m jdet bench --first-call``): three sizes no other case
+# uses, so that every call compiles. Token counts; matrix counts for tri_inverse; sequence
+# lengths for attention and token counts for token_logprobs, whose jnp references hold
+# [T, T] scores or [T, V] logits.
+FIRST_CALL_TOKENS = (4099, 8191, 30001)
+FIRST_CALL_MATRICES = (1000, 3001, 4099)
+FIRST_CALL_SEQUENCE = (1000, 2049, 3001)
+FIRST_CALL_QUICK = (5, 9, 17)  # CPU interpret
+
+
+def first_call_sizes(full: bool) -> tuple[int, ...]:
+  return FIRST_CALL_TOKENS if full else FIRST_CALL_QUICK
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +75,7 @@ class Op:
   bench_cases: Callable[[bool], list[BenchCase]]
   sweep_case: Callable[[np.random.Generator], None]
   sharding_case: Callable[[np.random.Generator], tuple]
+  first_call_cases: Callable[[bool], list[BenchCase]]
 
 
 def _row_grad(fn):
@@ -167,6 +185,11 @@ def _matmul_bench(full):
                             else MATMUL_QUICK)
 
 
+def _matmul_first_call(full):
+  weight = (4096, 4096) if full else (64, 128)
+  return matmul_bench_cases([(m, weight) for m in first_call_sizes(full)])
+
+
 def _matmul_sweep(rng):
   total, k, n = int(rng.integers(1, 70)), int(rng.integers(1, 150)), int(rng.integers(1, 100))
   dtype = DTYPES[rng.integers(len(DTYPES))]
@@ -222,9 +245,10 @@ def _sinkhorn_check(full):
   return cases
 
 
-def _sinkhorn_bench(full):
+def sinkhorn_bench_cases(shapes):
+  """Forward and forward+backward (both gradients) cases for (tokens, n) shapes."""
   cases = []
-  for tokens, n in SINKHORN_BENCH if full else SINKHORN_QUICK:
+  for tokens, n in shapes:
     matrix_bytes = tokens * n * n * 4
 
     def make_args(seed, shape=(tokens, n, n)):
@@ -244,6 +268,14 @@ def _sinkhorn_bench(full):
                              make_args, 2 * matrix_bytes,
                              bytes_moved=(5 if grad == "unrolled" else 6) * matrix_bytes))
   return cases
+
+
+def _sinkhorn_bench(full):
+  return sinkhorn_bench_cases(SINKHORN_BENCH if full else SINKHORN_QUICK)
+
+
+def _sinkhorn_first_call(full):
+  return sinkhorn_bench_cases([(tokens, 4) for tokens in first_call_sizes(full)])
 
 
 def _sinkhorn_sweep(rng):
@@ -295,21 +327,33 @@ def _tri_inverse_check(full):
   return cases
 
 
-def _tri_inverse_bench(full):
+def tri_inverse_bench_cases(shapes, *, baselines=("solve_triangular", "jnp.linalg.inv")):
+  """Forward and forward+backward cases for (count, n) shapes against each baseline."""
+  baseline_fns = {"solve_triangular": jdet.tri_inverse_reference, "jnp.linalg.inv": _linalg_inv}
   cases = []
-  for count, n in TRI_INVERSE_BENCH if full else TRI_INVERSE_QUICK:
+  for count, n in shapes:
     def make_args(seed, count=count, n=n):
       return (gdn_chunk_matrices(jax.random.key(seed), count, n),
               random_normal(seed, (count, n, n)))
     set_bytes = 4 * count * n * n * 4  # a, g, X, dA in f32
-    for baseline, baseline_fn in (("solve_triangular", jdet.tri_inverse_reference),
-                                  ("jnp.linalg.inv", _linalg_inv)):
+    for baseline in baselines:
+      baseline_fn = baseline_fns[baseline]
       for pass_, wrap in (("fwd", lambda f: _first_args(f, 1)),
                           ("fwd+bwd", _forward_and_backward)):
         cases.append(BenchCase("tri_inverse", f"{count} x {n}x{n}", pass_,
                                wrap(jdet.tri_inverse), baseline, wrap(baseline_fn), make_args,
                                set_bytes))
   return cases
+
+
+def _tri_inverse_bench(full):
+  return tri_inverse_bench_cases(TRI_INVERSE_BENCH if full else TRI_INVERSE_QUICK)
+
+
+def _tri_inverse_first_call(full):
+  counts = FIRST_CALL_MATRICES if full else first_call_sizes(full)
+  return tri_inverse_bench_cases([(count, 64) for count in counts],
+                                 baselines=("solve_triangular",))
 
 
 def _tri_inverse_sweep(rng):
@@ -364,12 +408,15 @@ def _attention_check(full):
                1e-4, sizes)]
 
 
-def _attention_bench(full):
+def attention_bench_cases(configs):
+  """Cases for ("prefill" or "decode", B, T, S) configs with ATTENTION_HEADS, bf16:
+  prefill forward and forward+backward against jax.nn (cuDNN where it runs), decode
+  forward against XLA."""
   n, kv, h = ATTENTION_HEADS
   dtype = jnp.bfloat16
   itemsize = jnp.dtype(dtype).itemsize
   cases = []
-  for kind, b, t, s in ATTENTION_BENCH if full else ATTENTION_QUICK:
+  for kind, b, t, s in configs:
     def make_args(seed, b=b, t=t, s=s):
       return (random_normal(4 * seed, (b, t, n, h), dtype),
               random_normal(4 * seed + 1, (b, s, kv, h), dtype),
@@ -396,6 +443,15 @@ def _attention_bench(full):
                              "jax.nn (xla)", _first_args(theirs, 3), make_args, set_bytes,
                              bytes_moved=2.0 * b * s * kv * h * itemsize))
   return cases
+
+
+def _attention_bench(full):
+  return attention_bench_cases(ATTENTION_BENCH if full else ATTENTION_QUICK)
+
+
+def _attention_first_call(full):
+  lengths = FIRST_CALL_SEQUENCE if full else first_call_sizes(full)
+  return attention_bench_cases([("prefill", 1, t, t) for t in lengths])
 
 
 def _cudnn_or_xla(args) -> str:
@@ -524,6 +580,10 @@ def _rms_norm_bench(full):
   return rms_norm_bench_cases(RMS_NORM_BENCH if full else RMS_NORM_QUICK)
 
 
+def _rms_norm_first_call(full):
+  return rms_norm_bench_cases([(m, 4096 if full else 96) for m in first_call_sizes(full)])
+
+
 def _rms_norm_sweep(rng):
   total, h = int(rng.integers(1, 50)), int(rng.integers(1, 300))
   dtype = DTYPES[rng.integers(len(DTYPES))]
@@ -616,6 +676,11 @@ def softmax_bench_cases(shapes, *, names=("softmax", "log_softmax")):
 
 def _softmax_bench(full):
   return softmax_bench_cases(SOFTMAX_BENCH if full else SOFTMAX_QUICK)
+
+
+def _softmax_first_call(full):
+  return softmax_bench_cases([(m, 32000 if full else 300, jnp.bfloat16)
+                              for m in first_call_sizes(full)])
 
 
 def _softmax_sweep(rng):
@@ -728,6 +793,12 @@ def _token_logprobs_bench(full):
   return token_logprobs_bench_cases(TOKEN_LOGPROBS_BENCH if full else TOKEN_LOGPROBS_QUICK)
 
 
+def _token_logprobs_first_call(full):
+  shapes = ([(t, 4096, 151936) for t in FIRST_CALL_SEQUENCE] if full
+            else [(t, 64, 300) for t in first_call_sizes(full)])
+  return token_logprobs_bench_cases(shapes)
+
+
 def _token_logprobs_sweep(rng):
   total, d, vocab = int(rng.integers(1, 30)), int(rng.integers(1, 70)), int(rng.integers(1, 400))
   h, w, t = _token_logprobs_inputs(int(rng.integers(1 << 20)), total, d, vocab)
@@ -751,14 +822,18 @@ def _token_logprobs_sharding(rng):
 # ---------------------------------------------------------------------------
 
 OPS: dict[str, Op] = {op.name: op for op in (
-    Op("matmul", _matmul_check, _matmul_bench, _matmul_sweep, _matmul_sharding),
-    Op("rms_norm", _rms_norm_check, _rms_norm_bench, _rms_norm_sweep, _rms_norm_sharding),
-    Op("sinkhorn", _sinkhorn_check, _sinkhorn_bench, _sinkhorn_sweep, _sinkhorn_sharding),
-    Op("softmax", _softmax_check, _softmax_bench, _softmax_sweep, _softmax_sharding),
+    Op("matmul", _matmul_check, _matmul_bench, _matmul_sweep, _matmul_sharding,
+       _matmul_first_call),
+    Op("rms_norm", _rms_norm_check, _rms_norm_bench, _rms_norm_sweep, _rms_norm_sharding,
+       _rms_norm_first_call),
+    Op("sinkhorn", _sinkhorn_check, _sinkhorn_bench, _sinkhorn_sweep, _sinkhorn_sharding,
+       _sinkhorn_first_call),
+    Op("softmax", _softmax_check, _softmax_bench, _softmax_sweep, _softmax_sharding,
+       _softmax_first_call),
     Op("token_logprobs", _token_logprobs_check, _token_logprobs_bench, _token_logprobs_sweep,
-       _token_logprobs_sharding),
+       _token_logprobs_sharding, _token_logprobs_first_call),
     Op("tri_inverse", _tri_inverse_check, _tri_inverse_bench, _tri_inverse_sweep,
-       _tri_inverse_sharding),
+       _tri_inverse_sharding, _tri_inverse_first_call),
     Op("dot_product_attention", _attention_check, _attention_bench, _attention_sweep,
-       _attention_sharding),
+       _attention_sharding, _attention_first_call),
 )}

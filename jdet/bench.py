@@ -162,6 +162,40 @@ def run_cases(cases: Sequence[BenchCase], *, progress: bool = True,
   return rows
 
 
+def first_call_seconds(fn: Callable[..., Any], args: tuple) -> float:
+  """Wall seconds of the first ``jax.jit(fn)(*args)``: trace, lower, compile (the
+  Triton and Mosaic kernels included) and run, until the result is ready. Only
+  meaningful for shapes the process has not compiled ``fn`` for."""
+  jax.block_until_ready(args)
+  start = time.perf_counter()
+  jax.block_until_ready(jax.jit(fn)(*args))
+  return time.perf_counter() - start
+
+
+def first_call_rows(cases: Sequence[BenchCase], *, progress: bool = True,
+                    on_row: Callable[[Row], None] | None = None) -> list[Row]:
+  """First-call latency of jdet and of the baseline for every case, on one input
+  set each (the cases' shapes must be fresh: ``first_call_cases`` in the registry).
+  A row's pass reads "<pass> first call" and its times are microseconds, so the
+  one table (:func:`markdown_table`) holds them."""
+  rows, baseline_us = [], {}
+  for i, case in enumerate(cases):
+    if progress:
+      progress_bar(i, len(cases), f"{case.op} {case.case} {case.pass_} first call")
+    args = case.make_args(0)
+    jdet_us = first_call_seconds(case.fn, args) * 1e6
+    timed = (case.op, case.case, case.pass_, case.baseline)
+    if timed not in baseline_us:
+      baseline_us[timed] = first_call_seconds(case.baseline_fn, args) * 1e6
+    rows.append(Row(case.op, case.case, f"{case.pass_} first call", jdet_us, case.baseline,
+                    baseline_us[timed]))
+    if on_row:
+      on_row(rows[-1])
+  if progress:
+    progress_bar(len(cases), len(cases), "done")
+  return rows
+
+
 def progress_bar(done: int, total: int, label: str) -> None:
   """A one-line progress bar on stderr; a plain line per step when stderr is not a terminal."""
   if sys.stderr.isatty():
@@ -238,12 +272,15 @@ def plot(rows: Sequence[Row], path: str) -> bool:
   return True
 
 
-def report(title: str, cases: Sequence[BenchCase], **options) -> list[Row]:
+def report(title: str, cases: Sequence[BenchCase], *, first_call: bool = False,
+           **options) -> list[Row]:
   """A benchmark's output: the device line, the interpret warning, then one table
-  whose rows print as they are measured (``options`` go to :func:`run_cases`)."""
+  whose rows print as they are measured: the steady-state times (``options`` go
+  to :func:`run_cases`) or, with ``first_call``, :func:`first_call_rows`."""
   print(f"# {title} on {device_description()}")
   if interpret_warning():
     print(interpret_warning())
   print(markdown_table([]), flush=True)
-  return run_cases(cases, on_row=lambda row: print(markdown_table([row], head=False),
-                                                   flush=True), **options)
+  measure = first_call_rows if first_call else run_cases
+  return measure(cases, on_row=lambda row: print(markdown_table([row], head=False),
+                                                 flush=True), **options)
