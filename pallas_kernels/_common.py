@@ -185,6 +185,15 @@ def uncontracted(x, *, native: bool):
   return lax.bitcast_convert_type(bits, x.dtype)
 
 
+def product(a, b, *, native: bool):
+  """Elementwise ``a * b`` inside a kernel, for a product that an add or a sum
+  consumes: in interpret mode rounded on its own (:func:`uncontracted`), so that
+  XLA:CPU cannot make it one FMA in some programs and not in others; on the GPU
+  a plain multiply (jaxlib's Triton pipeline does not contract it, see
+  :func:`multiply_add`)."""
+  return a * b if native else uncontracted(a * b, native=False)
+
+
 def multiply_add(a, b, c, *, fused: bool):
   """Elementwise float32 ``a * b + c``, inside a kernel; operands broadcast.
 
@@ -197,7 +206,7 @@ def multiply_add(a, b, c, *, fused: bool):
   """
   if fused:
     return _ptx_f32("fma.rn.f32 $0, $1, $2, $3;", a, b, c)
-  return uncontracted(a * b, native=False) + c
+  return product(a, b, native=False) + c
 
 
 def block_mask(start, block: int, limit: int):
@@ -267,6 +276,7 @@ __all__ = [
     "multiply_add",
     "uncontracted",
     "pad_axis",
+    "product",
     "reciprocal",
     "store_block",
     "sum_in_order",

@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params, launcher,
                                     load_block, lookup_tiles, multiply_add, pad_axis,
-                                    reciprocal, store_block, sum_in_order)
+                                    product, reciprocal, store_block, sum_in_order)
 
 MAX_N = 16
 INITS = ("softmax", "exp")
@@ -362,7 +362,7 @@ _CG_CURVATURE_FLOOR = 1e-6
 
 
 def sinkhorn_implicit_backward_kernel(r_ref, g_ref, dx_ref, *, n: int, tokens: int,
-                                      cg_steps: int):
+                                      cg_steps: int, native: bool):
   """Fixed-point VJP from the corrected system, per token.
 
   (diag(c) - Rᵀ diag(r)⁻¹ R) β = s_c - Rᵀ diag(r)⁻¹ s_r, solved by ``cg_steps``
@@ -371,44 +371,47 @@ def sinkhorn_implicit_backward_kernel(r_ref, g_ref, dx_ref, *, n: int, tokens: i
   dlogits = (dR - u 1ᵀ - 1 βᵀ) ⊙ R. r_ref: [block_tokens, n*width] float32
   result R (zero padding columns); g_ref: its float32 cotangent; dx_ref: the
   cotangent of the logits. Column vectors (β, c, s_c) are [block_tokens, width].
+  Every product that an add or a sum consumes is a :func:`product` (rounded on its
+  own in interpret mode).
   """
+  mul = functools.partial(product, native=native)
   valid = _token_mask(r_ref.shape[0], tokens)
   r = _load_matrix(r_ref, valid, n)
   g = _load_matrix(g_ref, valid, n)
   col_sums = _sums(r, COLUMNS)
   inv_rows = [1.0 / jnp.where(s > 0, s, 1.0) for s in _sums(r, ROWS)]  # zero rows stay 0
-  weighted = tuple(a * b for a, b in zip(r, g))
+  weighted = tuple(mul(a, b) for a, b in zip(r, g))
   s_rows, s_cols = _sums(weighted, ROWS), _sums(weighted, COLUMNS)
 
   def r_times(v):  # R v, a row list
-    return [_row_sum(row * v) for row in r]
+    return [_row_sum(mul(row, v)) for row in r]
 
   def rt_times(v):  # Rᵀ v, a column array
-    return sum_in_order([row * x for row, x in zip(r, v)])
+    return sum_in_order([mul(row, x) for row, x in zip(r, v)])
 
   def system(v):  # (diag(c) - Rᵀ diag(r)⁻¹ R) v
-    return col_sums * v - rt_times([w * s for w, s in zip(inv_rows, r_times(v))])
+    return mul(col_sums, v) - rt_times([w * s for w, s in zip(inv_rows, r_times(v))])
 
   rhs = s_cols - rt_times([w * s for w, s in zip(inv_rows, s_rows)])
-  rhs = jnp.where(_real_columns(n, rhs.shape[1]), rhs - _row_sum(rhs) * (1.0 / n), 0.0)
+  rhs = jnp.where(_real_columns(n, rhs.shape[1]), rhs - mul(_row_sum(rhs), 1.0 / n), 0.0)
   floor = jnp.max(col_sums, axis=1, keepdims=True) * _CG_CURVATURE_FLOOR
 
   def cg_step(_, carry):
     beta, res, p, rr, active = carry
     ap = system(p)
-    curvature = _row_sum(p * ap)
-    active = active & (curvature > floor * _row_sum(p * p))
+    curvature = _row_sum(mul(p, ap))
+    active = active & (curvature > floor * _row_sum(mul(p, p)))
     alpha = jnp.where(active, rr / jnp.where(active, curvature, 1.0), 0.0)
-    beta = beta + alpha * p
-    res = res - alpha * ap
-    rr_next = _row_sum(res * res)
+    beta = beta + mul(alpha, p)
+    res = res - mul(alpha, ap)
+    rr_next = _row_sum(mul(res, res))
     gamma = jnp.where(active & (rr > 0), rr_next / jnp.where(rr > 0, rr, 1.0), 0.0)
-    return beta, res, res + gamma * p, rr_next, active
+    return beta, res, res + mul(gamma, p), rr_next, active
 
-  rr = _row_sum(rhs * rhs)
+  rr = _row_sum(mul(rhs, rhs))
   beta, *_ = lax.fori_loop(0, cg_steps, cg_step,
                            (jnp.zeros_like(rhs), rhs, rhs, rr, jnp.full(rr.shape, True)))
-  u = [w * (s - t) for w, s, t in zip(inv_rows, s_rows, r_times(beta))]
+  u = [mul(w, s - t) for w, s, t in zip(inv_rows, s_rows, r_times(beta))]
   _store_matrix(dx_ref, tuple((gi - ui - beta) * ri for gi, ui, ri in zip(g, u, r)), valid)
 
 
@@ -462,6 +465,7 @@ def sinkhorn_implicit_backward(result, cotangent, *, out_dtype, tiles: SinkhornT
                                interpret: bool):
   """result, cotangent: [T, n, n] float32. Returns dlogits [T, n, n] in ``out_dtype``."""
   n = result.shape[-1]
-  kernel = functools.partial(sinkhorn_implicit_backward_kernel, n=n, cg_steps=2 * n)
+  kernel = functools.partial(sinkhorn_implicit_backward_kernel, n=n, cg_steps=2 * n,
+                             native=not interpret)
   return _launch(kernel, (result, cotangent), out_dtype=out_dtype, tiles=tiles,
                  interpret=interpret, name="jdet_sinkhorn_implicit_bwd")
