@@ -255,11 +255,12 @@ def divide(x, y, *, native: bool):
   return _ptx_f32("div.rn.f32 $0, $1, $2;", x, y) if native else x / y
 
 
-def multiply(a, b):
-  """Elementwise float32 ``a * b`` as one ``mul.rn.f32`` (GPU only): ptxas never
-  contracts an instruction with an explicit rounding mode into a fused
-  multiply-add, so the product is rounded on its own whatever follows it."""
-  return _ptx_f32("mul.rn.f32 $0, $1, $2;", a, b)
+def multiply(a, b, *, native: bool):
+  """Elementwise float32 ``a * b`` rounded on its own whatever consumes it: on the
+  GPU (``native``) one ``mul.rn.f32``, which ptxas never contracts into a fused
+  multiply-add; in interpret mode :func:`uncontracted`."""
+  return _ptx_f32("mul.rn.f32 $0, $1, $2;", a, b) if native else uncontracted(a * b,
+                                                                               native=False)
 
 
 __all__ = [

@@ -37,7 +37,7 @@ the row sits in its tile):
     rounding mode: the logit scaling and the merge's rescaling products are
     ``mul.rn.f32``, the state updates (``l * alpha + l_block``,
     ``acc * alpha + p @ V`` and the merge's) one ``fma.rn.f32`` each, the
-    normalisation ``acc / l`` ``div.rn.f32`` (:func:`_mul`, ``multiply_add``,
+    normalisation ``acc / l`` ``div.rn.f32`` (``multiply``, ``multiply_add``,
     ``divide``). Neither LLVM nor ptxas contracts such an instruction, whereas
     a plain ``mul.f32`` feeding an ``add.f32`` may become an FMA or not
     depending on the code around it; so one line of Python rounds the same in
@@ -164,17 +164,11 @@ def unpack_rows(x, seq_len: int):
 # Elementwise pieces shared by every kernel.
 
 
-def _mul(a, b, native: bool):
-  """``a * b`` rounded on its own whatever consumes it: one ``mul.rn.f32`` on the
-  GPU (neither LLVM nor ptxas fuses an instruction with an explicit rounding
-  mode into a later add), :func:`uncontracted` in interpret mode."""
-  return multiply(a, b) if native else uncontracted(a * b, native=False)
-
-
 def _logits(q, k, st: _Static):
   """Base-2 logits ``(q . k) * scale * log2(e)`` in float32, the scaling rounded
   on its own (never fused into the ``s - max`` that follows)."""
-  return _mul(dot_f32(q, k, trans_b=True, precision=st.precision), st.scale * LOG2E, st.native)
+  return multiply(dot_f32(q, k, trans_b=True, precision=st.precision), st.scale * LOG2E,
+                  native=st.native)
 
 
 def _finite_or_zero(m):
@@ -197,8 +191,8 @@ def _merge(total, part, native: bool):
   shift = _finite_or_zero(m_new)
   alpha = jnp.exp2(m_tot - shift)
   beta = jnp.exp2(m_part - shift)
-  l_new = multiply_add(l_tot, alpha, _mul(l_part, beta, native), fused=native)
-  acc_new = multiply_add(acc_tot, alpha[:, None], _mul(acc_part, beta[:, None], native),
+  l_new = multiply_add(l_tot, alpha, multiply(l_part, beta, native=native), fused=native)
+  acc_new = multiply_add(acc_tot, alpha[:, None], multiply(acc_part, beta[:, None], native=native),
                          fused=native)
   return m_new, l_new, acc_new
 
@@ -422,7 +416,7 @@ def attention_delta_kernel(o_ref, do_ref, delta_ref, *, st: _Static):
   rows_ok = block_mask(pl.program_id(0) * bq, bq, st.rows) if st.rows % bq else None
   o = load_block(o_ref, rows=rows_ok, cols=st.head_cols).astype(jnp.float32)
   do = load_block(do_ref, rows=rows_ok, cols=st.head_cols).astype(jnp.float32)
-  _store_rows(delta_ref, jnp.sum(_mul(o, do, st.native), axis=1), rows_ok)
+  _store_rows(delta_ref, jnp.sum(multiply(o, do, native=st.native), axis=1), rows_ok)
 
 
 def _probabilities(q, k, lse, mask, st: _Static):

@@ -53,8 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params, divide, launcher,
-                                    multiply, multiply_add, pad_axis, store_block,
-                                    uncontracted)
+                                    multiply, multiply_add, pad_axis, store_block)
 
 SOFTMAX, LOG_SOFTMAX, LOGSUMEXP = "softmax", "log_softmax", "logsumexp"
 KINDS = (SOFTMAX, LOG_SOFTMAX, LOGSUMEXP)
@@ -284,11 +283,8 @@ def row_backward_kernel(x_ref, m_ref, s_ref, g_ref, dx_ref, *, kind: str, rows: 
 def _scaled(x, inv_temperature: float, native: bool):
   """x * inv_temperature (1.0: x itself), rounded on its own as XLA's multiply is:
   on the GPU one ``mul.rn.f32``, which ptxas never contracts with the subtraction
-  that follows into a fused multiply-add; in interpret mode :func:`uncontracted`."""
-  if inv_temperature == 1.0:
-    return x
-  return multiply(x, inv_temperature) if native else uncontracted(x * inv_temperature,
-                                                                  native=False)
+  that follows into a fused multiply-add; in interpret mode ``uncontracted``."""
+  return x if inv_temperature == 1.0 else multiply(x, inv_temperature, native=native)
 
 
 def token_chunk_update_kernel(x_ref, tok_ref, m_ref, s_ref, p_ref, m_out, s_out, p_out, *,
