@@ -70,11 +70,17 @@ GPU_FORWARD_TABLE: tuple[tuple[int, SinkhornTiles], ...] = (
     (8, SinkhornTiles(256, 8)),    # 25 us
     (16, SinkhornTiles(32, 2)),    # 110 us (247 us at 64 or 128 tokens a program)
 )
-# The unrolled backward keeps segment_units iterations' denominators per token;
-# the implicit backward shares the tile (within noise of its own best).
+# The unrolled backward keeps segment_units iterations' denominators per token,
+# and its compile time grows with the segment (each unit of it is unrolled twice):
+# a new token count recompiles the kernel, so the segment is the longest whose
+# backward compiles in about a second on the H100, about 48 matrix entries a
+# segment (3 units at n = 4, 1 from n = 8). Longer segments recompute less
+# (n = 4: 14.3 us and 9.5 s to compile at 20 units, 29 us and 1.1 s at 3; n = 8:
+# 70 us and 12.6 s at 7 units, 169 us and 2.0 s at 1; benchmarks/results/h100.md).
+# The implicit backward shares the tile (within noise of its own best).
 GPU_BACKWARD_TABLE: tuple[tuple[int, SinkhornTiles], ...] = (
-    (4, SinkhornTiles(128, 4, segment_units=20)),  # 14.4 us, one 19-unit segment
-    (8, SinkhornTiles(64, 4, segment_units=7)),    # 70 us
+    (4, SinkhornTiles(128, 4, segment_units=3)),
+    (8, SinkhornTiles(64, 4, segment_units=1)),
     (16, SinkhornTiles(32, 2, segment_units=1)),   # 1.3 ms (a 256-float state spills)
 )
 
