@@ -40,6 +40,16 @@ def test_fails_on_jnp_dot_model_and_reports_where(model_inputs):
   assert "max abs difference" in message
 
 
+def test_compiling_ahead_on_threads_checks_the_same_batches(model_inputs):
+  """compile_workers > 1 (what `python -m jdet check` uses on a GPU) compiles the
+  batch shapes on threads first and still catches the variance."""
+  x, w = model_inputs
+  with pytest.raises(AssertionError, match="leaf \\['hidden'\\]"):
+    assert_batch_invariant(_model(jnp.dot), x, w, in_axes=(0, None), compile_workers=2)
+  assert_batch_invariant(lambda x, w: jnp.tanh(x * w[:, 0]), x, w, in_axes=(0, None),
+                         batch_sizes=(1, 3), compile_workers=2)
+
+
 def test_passes_on_the_same_model_built_on_jdet(model_inputs):
   x, w = model_inputs
   assert_batch_invariant(_model(jdet.matmul), x, w, in_axes=(0, None), vmap_splits=(2, 4))
