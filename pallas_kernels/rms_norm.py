@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params, launcher, load_block,
-                                    store_block)
+                                    product, store_block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,11 +204,13 @@ def _resident(load, count: int):
 
 
 def rms_norm_forward_kernel(*refs, h: int, m: int, eps: float, chunk: int,
-                            has_residual: bool):
+                            has_residual: bool, native: bool):
   """refs: x, weight, [residual,] then y, [sum,] rstd.
 
   x/residual/y/sum: [block_rows, chunks * chunk] blocks (x's dtype); weight:
-  [chunks * chunk] (any float); rstd: [block_rows] float32.
+  [chunks * chunk] (any float); rstd: [block_rows] float32. ``native``: the GPU
+  (products that sums consume are rounded on their own in interpret mode,
+  :func:`pallas_kernels._common.product`).
   """
   if has_residual:
     x_ref, w_ref, r_ref, y_ref, s_ref, rstd_ref = refs
@@ -231,7 +233,7 @@ def rms_norm_forward_kernel(*refs, h: int, m: int, eps: float, chunk: int,
     x = chunk_input(k)
     if has_residual:
       write(s_ref, k, x)
-    return x * x
+    return product(x, x, native=native)
 
   rstd = lax.rsqrt(_row_sums(squares, count, block_rows, chunk) / h + eps)
   _store_vector(rstd_ref, rstd, rows)
@@ -241,14 +243,14 @@ def rms_norm_forward_kernel(*refs, h: int, m: int, eps: float, chunk: int,
 
 
 def rms_norm_dx_kernel(*refs, h: int, m: int, block_rows: int, chunk: int,
-                       has_sum_cotangent: bool):
+                       has_sum_cotangent: bool, native: bool):
   """One chunk of rows: dh, row block by row block, and the chunk's dw partial.
 
   refs: h, weight, rstd, g, [g_sum,] then dh, partial. h (the normalised
   input), g (cotangent of y), g_sum (cotangent of the returned sum), dh:
   [chunk_rows, chunks * chunk] blocks; weight: [chunks * chunk]; rstd:
   [chunk_rows] float32; partial: [chunks * chunk] float32, the sum over the
-  chunk's rows of ``g * xhat``.
+  chunk's rows of ``g * xhat``. ``native`` as in :func:`rms_norm_forward_kernel`.
   """
   if has_sum_cotangent:
     x_ref, w_ref, rstd_ref, g_ref, gs_ref, dx_ref, p_ref = refs
@@ -266,23 +268,23 @@ def rms_norm_dx_kernel(*refs, h: int, m: int, block_rows: int, chunk: int,
 
     def load_terms(k):  # (xhat, g, g * w) of chunk k
       g = read(g_ref, k)
-      return read(x_ref, k) * rstd, g, g * read_vector(w_ref, k)[None, :]
+      return read(x_ref, k) * rstd, g, product(g, read_vector(w_ref, k)[None, :], native=native)
 
     chunk_terms = _resident(load_terms, count)
 
     def products(k):
       xhat, _, gw = chunk_terms(k)
-      return gw * xhat
+      return product(gw, xhat, native=native)
 
     c = (_row_sums(products, count, block_rows, chunk) / h)[:, None]
     updated = []
     for k in range(count):  # unrolled: sums[k] needs a static k
       xhat, g, gw = chunk_terms(k)
-      dx = rstd * (gw - xhat * c)
+      dx = product(rstd, gw - product(xhat, c, native=native), native=native)
       if has_sum_cotangent:
         dx = dx + read(gs_ref, k)
       write(dx_ref, k, dx)
-      updated.append(sums[k] + g * xhat)
+      updated.append(sums[k] + product(g, xhat, native=native))
     return tuple(updated)
 
   # Every program walks all its row blocks, even past the last row (they add exact
@@ -358,7 +360,7 @@ def rms_norm_forward(x, weight, residual=None, *, eps: float, tiles: RmsNormTile
   outputs = [row] * (2 if has_residual else 1) + [("rstd", jax.ShapeDtypeStruct((m,),
                                                                                 jnp.float32))]
   kernel = functools.partial(rms_norm_forward_kernel, h=h, m=m, eps=eps, chunk=tiles.chunk,
-                             has_residual=has_residual)
+                             has_residual=has_residual, native=not interpret)
   results = _row_call(kernel, inputs, outputs, tiles=tiles, rows=tiles.block_rows,
                       interpret=interpret,
                       name="jdet_add_rms_norm" if has_residual else "jdet_rms_norm")
@@ -383,7 +385,8 @@ def rms_norm_backward(x, weight, rstd, g, g_sum=None, *, tiles: RmsNormTiles,
   outputs = [("rows", jax.ShapeDtypeStruct((m, h), x.dtype)),
              ("partial", jax.ShapeDtypeStruct((chunks, h), jnp.float32))]
   kernel = functools.partial(rms_norm_dx_kernel, h=h, m=m, block_rows=tiles.block_rows,
-                             chunk=tiles.chunk, has_sum_cotangent=has_sum)
+                             chunk=tiles.chunk, has_sum_cotangent=has_sum,
+                             native=not interpret)
   dx, partials = _row_call(kernel, inputs, outputs, tiles=tiles, rows=tiles.chunk_rows,
                            interpret=interpret, name="jdet_rms_norm_dx")
   bc, step = sum_tiles.block_cols, sum_tiles.row_step
