@@ -150,23 +150,26 @@ def assert_batch_invariant(
     raise ValueError(f"batched arguments must share one batch size, got {sorted(sizes)}")
   (total,) = sizes
   jfn = jax.jit(fn)
-  # (program, its arguments, how its output maps onto the full batch's, label)
+  keep = lambda out: out
+  # (jitted program, its arguments, what turns its output into the full batch's
+  # slice ``part``, part, label)
   runs = []
   for size in sorted({s for s in batch_sizes if 0 < s <= total}):
     for part in (slice(0, size), slice(total - size, total)):
-      runs.append((jfn, _take(args, axes, part), part,
+      runs.append((jfn, _take(args, axes, part), keep, part,
                    f"prefix of {size}" if part.start == 0 else f"slice [{part.start}:{total}] "
                    f"of {size}"))
   rows = single_rows if single_rows is not None else sorted({0, total // 2, total - 1})
   for i in rows:
-    runs.append((jfn, _take(args, axes, slice(i, i + 1)), slice(i, i + 1), f"row {i} alone"))
+    runs.append((jfn, _take(args, axes, slice(i, i + 1)), keep, slice(i, i + 1),
+                 f"row {i} alone"))
   if pad:
     flipped = _take(args, axes, slice(None, None, -1))
     extra = _take(flipped, axes, slice(0, pad))
     padded = tuple(a if ax is None else jax.tree.map(
         lambda x, e, ax=ax: jnp.concatenate([x, e], axis=ax), a, p)
         for a, p, ax in zip(args, extra, axes))
-    runs.append((lambda *xs: _out_slice(jfn(*xs), out_axis, slice(0, total)), padded,
+    runs.append((jfn, padded, lambda out: _out_slice(out, out_axis, slice(0, total)),
                  slice(0, total), f"padded batch of {total + pad}"))
   vm_axes = tuple(None if ax is None else 0 for ax in axes)
   vmapped = jax.jit(jax.vmap(lambda *xs: _moveaxis_tree(fn(*_restore(xs, axes)), out_axis),
@@ -180,14 +183,14 @@ def assert_batch_invariant(
         for a, ax in zip(args, axes))
     merge = lambda moved: jax.tree.map(
         lambda x: jnp.moveaxis(x.reshape((total,) + x.shape[2:]), 0, out_axis), moved)
-    runs.append((lambda *xs, merge=merge: merge(vmapped(*xs)), split_args, slice(0, total),
+    runs.append((vmapped, split_args, merge, slice(0, total),
                  f"vmap over {splits} chunks of {total // splits}"))
   if compile_workers > 1:
-    _compile_ahead([(jfn, args)] + [(vmapped if "vmap" in label else jfn, run_args)
-                                    for _, run_args, _, label in runs], compile_workers)
+    _compile_ahead([(jfn, args)] + [(program, run_args) for program, run_args, *_ in runs],
+                   compile_workers)
   full = jfn(*args)
-  for run, run_args, part, label in runs:
-    assert_bitwise_equal(run(*run_args), _out_slice(full, out_axis, part),
+  for program, run_args, finish, part, label in runs:
+    assert_bitwise_equal(finish(program(*run_args)), _out_slice(full, out_axis, part),
                          what=f"batch of {total} vs {label}")
 
 
