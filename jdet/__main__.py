@@ -25,6 +25,10 @@ def main(argv=None) -> int:
   check.add_argument("--pool", type=int, default=None,
                      help="with --trials: draw the trials' cases (shapes, dtypes, options) "
                           "from this many per op, so that compiled programs repeat")
+  check.add_argument("--workers", type=int, default=None,
+                     help="worker processes that run the cases (or the trials) and share "
+                          "a compilation cache; default: one per two cores on a GPU, none "
+                          "on a CPU (the --trials fuzz: none)")
   bench = sub.add_parser("bench", help="timings versus XLA, as a table and a plot")
   bench.add_argument("--op", choices=list(OPS), action="append",
                      help="only this op (repeatable); default: all")
@@ -34,16 +38,19 @@ def main(argv=None) -> int:
                      help="instead of steady-state times, the first call's latency (trace, "
                           "compile, run) at three sizes nothing else compiled, vs the baseline's")
   args = parser.parse_args(argv)
+  if args.command == "check" and args.workers is not None and args.workers < 1:
+    parser.error(f"--workers must be >= 1, got {args.workers}")
   if args.command == "check" and args.trials is not None:
     if args.trials < 1:
       parser.error(f"--trials must be >= 1, got {args.trials}")
     if args.pool is not None and args.pool < 1:
       parser.error(f"--pool must be >= 1, got {args.pool}")
     from jdet import fuzz
-    return fuzz.main(args.op, args.trials, args.seed, args.pool)
+    return fuzz.main(args.op, args.trials, args.seed, args.pool, args.workers or 1)
   if args.command == "check":
     from jdet import check as check_module
-    return check_module.main(args.op, full=False if args.small else None)
+    return check_module.main(args.op, full=False if args.small else None,
+                             workers=args.workers)
   return _bench(args.op or list(OPS), args.out, first_call=args.first_call)
 
 

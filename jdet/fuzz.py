@@ -36,6 +36,7 @@ from jax import lax
 
 import jdet
 from jdet._registry import OPS, SOFTMAX_OPS
+from jdet._workers import worker_pool
 from jdet.bench import on_gpu, progress_bar
 from jdet.testing import assert_bitwise_equal, release_compiled_programs
 
@@ -356,31 +357,69 @@ def run_trial(op: str, *, seed: int, index: int, pool: int | None = None) -> Non
                          f"REPRO: {repro_command(op, seed, index, pool)}") from None
 
 
-def main(ops, trials: int, seed: int, pool: int | None = None) -> int:
+def shard_indices(trials: int, pool: int | None, shard: int, shards: int) -> list[int]:
+  """The trial indices of shard ``shard`` of ``shards``. With a pool, shards take
+  whole rounds of it (trials ``r * pool`` to ``(r + 1) * pool - 1`` for rounds
+  ``r`` = shard, shard + shards, ...), so every shard meets every case and a
+  program one shard compiled serves the others through the shared compilation
+  cache; without one, every ``shards``-th trial."""
+  return [i for i in range(trials) if (i // (pool or 1)) % shards == shard]
+
+
+def run_shard(op: str, trials: int, seed: int, pool: int | None, shard: int,
+              shards: int) -> list[str]:
+  """Runs ``op``'s trials of shard ``shard`` of ``shards`` (:func:`shard_indices`)
+  and returns the failures."""
+  failures = []
+  indices = shard_indices(trials, pool, shard, shards)
+  report_every = max(1, len(indices) // 10)
+  for count, index in enumerate(indices):
+    if shards == 1:
+      progress_bar(count, len(indices), op)
+    elif count % report_every == 0:  # a worker's progress, for runs cut off by a timeout
+      print(f"{op} shard {shard}/{shards}: {count} of {len(indices)} trials done, "
+            f"{len(failures)} failed", flush=True)
+    try:
+      run_trial(op, seed=seed, index=index, pool=pool)
+    except AssertionError as err:
+      failures.append(str(err))
+      print(failures[-1], flush=True)  # now, in case the run never ends
+    if pool is None and (count + 1) % RELEASE_EVERY == 0:
+      release_compiled_programs()
+  release_compiled_programs()  # a pool's programs repeat within an op, not across ops
+  if shards == 1:
+    progress_bar(len(indices), len(indices), op)
+  return failures
+
+
+def main(ops, trials: int, seed: int, pool: int | None = None, workers: int = 1) -> int:
   """Runs ``trials`` trials per op (drawing their cases from ``pool`` cases per op
-  when given); prints each failure and its repro as it happens and a line per op;
-  returns 0 if every trial passed, else 1."""
+  when given), in ``workers`` processes (:mod:`jdet._workers`) when more than one;
+  prints each failure and its repro as it happens and a line per op; returns 0 if
+  every trial passed, else 1."""
   device = jax.devices()[0]
   pooled = "" if pool is None else f", cases from a pool of {pool} per op"
+  spread = f", {workers} worker processes" if workers > 1 else ""
   print(f"jdet fuzz on {device.device_kind} ({device.platform}), jax {jax.__version__}: "
-        f"{trials} trials per op, seed {seed}{pooled}")
+        f"{trials} trials per op, seed {seed}{pooled}{spread}")
   failed = 0
-  for op in ops or OPS:
-    start, failures = time.perf_counter(), []
-    for index in range(trials):
-      progress_bar(index, trials, op)
-      try:
-        run_trial(op, seed=seed, index=index, pool=pool)
-      except AssertionError as err:
-        failures.append(str(err))
-        print(failures[-1], flush=True)  # now, in case the run never ends
-      if pool is None and (index + 1) % RELEASE_EVERY == 0:
-        release_compiled_programs()
-    release_compiled_programs()  # a pool's programs repeat within an op, not across ops
-    progress_bar(trials, trials, op)
-    seconds = time.perf_counter() - start
-    print(f"{op}: {trials - len(failures)} of {trials} trials passed in {seconds:.0f} s",
-          flush=True)
-    failed += len(failures)
+  ops = list(ops or OPS)
+  if workers > 1:
+    with worker_pool(workers) as processes:
+      began = time.perf_counter()
+      jobs = {op: [processes.submit(run_shard, op, trials, seed, pool, shard, workers)
+                   for shard in range(workers)] for op in ops}
+      for op in ops:
+        failures = [f for job in jobs[op] for f in job.result()]
+        failed += len(failures)
+        print(f"{op}: {trials - len(failures)} of {trials} trials passed "
+              f"({time.perf_counter() - began:.0f} s since the start)", flush=True)
+  else:
+    for op in ops:
+      start = time.perf_counter()
+      failures = run_shard(op, trials, seed, pool, 0, 1)
+      failed += len(failures)
+      print(f"{op}: {trials - len(failures)} of {trials} trials passed in "
+            f"{time.perf_counter() - start:.0f} s", flush=True)
   print(f"{'FAIL' if failed else 'ok'}: {failed} failed trials")
   return 1 if failed else 0

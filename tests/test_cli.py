@@ -28,6 +28,15 @@ def test_check_of_every_op_passes_and_prints_a_table(capsys):
   assert f"{count} passed, 0 failed" in out
 
 
+def test_check_in_worker_processes_gives_the_table_in_registry_order(capsys):
+  assert cli.main(["check", "--op", "softmax", "--workers", "2"]) == 0
+  out = capsys.readouterr().out
+  labels = [f"| {case.op} | {case.label} |" for case in OPS["softmax"].check_cases(False)]
+  assert "2 worker processes" in out
+  assert [out.index(label) for label in labels] == sorted(out.index(label) for label in labels)
+  assert f"{len(labels)} passed, 0 failed" in out
+
+
 @pytest.mark.parametrize("parity_ok", [True, False])
 def test_bare_check_adds_the_model_parity_check(monkeypatch, capsys, parity_ok):
   from jdet.models import parity
@@ -36,7 +45,7 @@ def test_bare_check_adds_the_model_parity_check(monkeypatch, capsys, parity_ok):
       matmul, check_cases=lambda full: matmul.check_cases(full)[:1]))
   for name in [name for name in OPS if name != "matmul"]:
     monkeypatch.delitem(OPS, name)
-  monkeypatch.setattr(parity, "parity_check", lambda config: {"ok": parity_ok})
+  monkeypatch.setattr(parity, "parity_check", lambda config, **options: {"ok": parity_ok})
   assert cli.main(["check"]) == (0 if parity_ok else 1)
   assert ("2 passed, 0 failed" if parity_ok else "1 passed, 1 failed") in capsys.readouterr().out
 

@@ -68,3 +68,18 @@ def test_a_pool_repeats_cases_and_its_repro_names_it(monkeypatch, capsys):
   assert repro, out
   with pytest.raises(AssertionError, match="differs"):
     fuzz.run_trial("sinkhorn", seed=0, index=int(repro.group(1)), pool=2)
+
+
+@pytest.mark.parametrize("pool", [None, 3])
+def test_shards_split_the_trials_and_each_meets_every_pool_case(pool):
+  shards = [fuzz.shard_indices(20, pool, shard, 4) for shard in range(4)]
+  assert sorted(i for shard in shards for i in shard) == list(range(20))
+  if pool:  # whole rounds of the pool: each shard with trials sees every case
+    assert all({i % pool for i in shard} == {0, 1, 2} for shard in shards if shard)
+
+
+def test_trials_in_worker_processes_report_per_op(capsys):
+  assert cli.main(["check", "--op", "softmax", "--trials", "4", "--pool", "2",
+                   "--workers", "2"]) == 0
+  out = capsys.readouterr().out
+  assert "2 worker processes" in out and "softmax: 4 of 4 trials passed" in out

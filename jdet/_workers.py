@@ -1,0 +1,54 @@
+"""Worker processes for the check and the fuzz, sharing one compilation cache.
+
+On a GPU, ``python -m jdet check`` and its ``--trials`` fuzz spend most of their
+time compiling, and XLA compiles one program on mostly one core. Independent
+jobs (check cases, fuzz trial shards) therefore run in worker processes, one
+compile per core. The workers share a persistent compilation cache, so that a
+program one worker compiled loads in the others: the user's
+``JAX_COMPILATION_CACHE_DIR`` if set, else a temporary folder for the run.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import multiprocessing
+import os
+import shutil
+import tempfile
+from typing import Iterator
+
+
+def default_workers() -> int:
+  """Worker processes on this machine: one per two cores on a GPU (each worker
+  also compiles on a second thread), none on a CPU, where interpret-mode kernels
+  call back into Python and XLA:CPU already uses every core."""
+  import jax
+  if jax.default_backend() != "gpu":
+    return 1
+  return max(1, (os.cpu_count() or 2) // 2)
+
+
+def _start_worker(cache_dir: str | None) -> None:
+  import jax
+  from jdet.testing import synchronous_cpu_dispatch
+  synchronous_cpu_dispatch()
+  if cache_dir is not None:
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+@contextlib.contextmanager
+def worker_pool(workers: int) -> Iterator[concurrent.futures.ProcessPoolExecutor]:
+  """A pool of ``workers`` fresh (spawned) processes that share a compilation cache."""
+  import jax
+  user_cache = jax.config.jax_compilation_cache_dir
+  cache_dir = user_cache or tempfile.mkdtemp(prefix="jdet-compilation-cache-")
+  try:
+    with concurrent.futures.ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("spawn"),
+        initializer=_start_worker, initargs=(None if user_cache else cache_dir,)) as pool:
+      yield pool
+  finally:
+    if not user_cache:
+      shutil.rmtree(cache_dir, ignore_errors=True)
