@@ -18,10 +18,15 @@ with jdet's ops and once with XLA's:
 The XLA run reports how many tokens differ and by how much. ``ok`` is true when
 jdet's run has no differing bit anywhere and its model audits clean
 (:func:`jdet.testing.audit`).
+
+The rounds, the layouts and the gradient batches are independent programs, and
+compiling them is most of a GPU run: each runs on its own thread (XLA compiles
+without the GIL), and each result lands in its fixed place.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import time
@@ -99,19 +104,24 @@ def _jitted(fn, config: llama.Config, temperature: float, ops: str):
   return jax.jit(functools.partial(fn, config=config, temperature=temperature, ops=ops))
 
 
+def _in_threads(tasks: list) -> list:
+  """Runs the thunks concurrently; returns their results in order."""
+  with concurrent.futures.ThreadPoolExecutor(len(tasks)) as pool:
+    return [job.result() for job in [pool.submit(task) for task in tasks]]
+
+
 def rollout(params, setup: Setup, ops: str) -> list[Sample]:
-  """Samples completions round by round; returns every sequence with its log-probs."""
+  """Samples the rounds' completions (each round on its own thread, its prompts
+  drawn in round order); returns every sequence, round by round, with its log-probs."""
   c = setup.model
   start = _jitted(_start, c, setup.temperature, ops)
   step = _jitted(_step, c, setup.temperature, ops)
   rng = np.random.default_rng(setup.seed)
   shortest, longest = setup.prompt_lens
   max_len = longest + setup.max_new
-  samples = []
-  for round_index, batch in enumerate(setup.rounds):
-    prompt_lens = rng.integers(shortest, longest + 1, batch).astype(np.int32)
-    budgets = rng.integers(1, setup.max_new + 1, batch)
-    prompts = rng.integers(setup.eos + 1, c.vocab, (batch, longest)).astype(np.int32)
+
+  def sample_round(round_index, prompt_lens, budgets, prompts):
+    batch = len(prompts)
     key = jax.random.fold_in(jax.random.key(setup.seed), round_index)
     token, logp, cache = start(params, prompts, llama.init_cache(c, batch, max_len),
                                prompt_lens, jax.random.fold_in(key, 0))
@@ -127,11 +137,18 @@ def rollout(params, setup: Setup, ops: str) -> list[Sample]:
       if done.all():
         break
       token, logp, cache = step(params, token, cache, jax.random.fold_in(key, i))
-    for b in range(batch):
-      samples.append(Sample(np.concatenate([prompts[b, :prompt_lens[b]],
-                                            np.asarray(completions[b], np.int32)]),
-                            int(prompt_lens[b]), np.asarray(logps[b], np.float32)))
-  return samples
+    return [Sample(np.concatenate([prompts[b, :prompt_lens[b]],
+                                   np.asarray(completions[b], np.int32)]),
+                   int(prompt_lens[b]), np.asarray(logps[b], np.float32))
+            for b in range(batch)]
+
+  rounds = []
+  for round_index, batch in enumerate(setup.rounds):
+    prompt_lens = rng.integers(shortest, longest + 1, batch).astype(np.int32)
+    budgets = rng.integers(1, setup.max_new + 1, batch)
+    prompts = rng.integers(setup.eos + 1, c.vocab, (batch, longest)).astype(np.int32)
+    rounds.append(functools.partial(sample_round, round_index, prompt_lens, budgets, prompts))
+  return [sample for samples in _in_threads(rounds) for sample in samples]
 
 
 # ---------------------------------------------------------------- training side
@@ -195,25 +212,30 @@ def _grpo_batch(samples, rows, width, advantages):
   return tokens, lengths, prompt_lens, old, np.asarray(advantages, np.float32)
 
 
-def gradient_parity(params, samples, setup: Setup, ops: str) -> tuple[int, int]:
-  """(differing, compared) gradient leaves: each checked example's gradient alone vs
-  first in each ``grad_batches`` batch whose other examples have advantage 0."""
+def example_gradients(params, samples, setup: Setup, ops: str, batch_size: int,
+                      extra: int) -> list[list[np.ndarray]]:
+  """The bits of each checked example's GRPO gradient leaves (the longest
+  ``grad_examples`` completions), each computed first in a batch of ``batch_size``
+  padded ``extra`` tokens whose other examples have advantage 0."""
   grad = _jitted(_grpo_grad, setup.model, setup.temperature, ops)
   width = max(len(s.tokens) for s in samples)
   by_length = sorted(range(len(samples)), key=lambda s: -len(samples[s].logp))
   advantages = np.random.default_rng(setup.seed + 1).standard_normal(len(samples)) + 0.5
-  differing = compared = 0
+  result = []
   for example in by_length[:setup.grad_examples]:
     others = [s for s in by_length if s != example]
-    reference = None
-    for batch_size, extra in setup.grad_batches:
-      rows = [example] + [others[i % len(others)] for i in range(batch_size - 1)]
-      adv = [advantages[example]] + [0.0] * (batch_size - 1)
-      g = grad(params, *_grpo_batch(samples, rows, width + extra, adv))
-      leaves = [bits(x) for x in jax.tree.leaves(g)]
-      if reference is None:
-        reference = leaves
-        continue
+    rows = [example] + [others[i % len(others)] for i in range(batch_size - 1)]
+    adv = [advantages[example]] + [0.0] * (batch_size - 1)
+    g = grad(params, *_grpo_batch(samples, rows, width + extra, adv))
+    result.append([bits(x) for x in jax.tree.leaves(g)])
+  return result
+
+
+def _differing_leaves(per_batch) -> tuple[int, int]:
+  """(differing, compared) leaves of every later batch's gradients against the first's."""
+  differing = compared = 0
+  for later in per_batch[1:]:
+    for leaves, reference in zip(later, per_batch[0]):
       differing += sum(not np.array_equal(a, b) for a, b in zip(leaves, reference))
       compared += len(leaves)
   return differing, compared
@@ -231,23 +253,31 @@ def _compare(samples, recomputed) -> tuple[int, float]:
 
 
 def run_ops(params, setup: Setup, ops: str, *, gradients: bool) -> dict:
-  """Rollout, recompute in every layout, optionally the gradient check, and the audit."""
+  """Rollout, recompute in every layout, optionally the gradient check (the layouts
+  and gradient batches on threads of their own), and the audit."""
   samples = rollout(params, setup, ops)
   rng = np.random.default_rng(setup.seed + 2)
   out = {"sequences": len(samples), "tokens": sum(len(s.logp) for s in samples),
          "layouts": {}, "mismatches": 0, "max_abs_diff": 0.0}
+  labels, tasks = [], []
   for batch_size, extra in setup.layouts:
     order = range(len(samples)) if batch_size == 0 else rng.permutation(len(samples)).tolist()
-    label = (f"{'one batch' if batch_size == 0 else f'shuffled batches of {batch_size}'}"
-             f", +{extra} padding")
-    mismatches, diff = _compare(samples, recompute(params, samples, setup, ops, batch_size,
-                                                   extra, order))
+    labels.append(f"{'one batch' if batch_size == 0 else f'shuffled batches of {batch_size}'}"
+                  f", +{extra} padding")
+    tasks.append(functools.partial(recompute, params, samples, setup, ops, batch_size, extra,
+                                   order))
+  if gradients:
+    tasks += [functools.partial(example_gradients, params, samples, setup, ops, batch_size,
+                                extra) for batch_size, extra in setup.grad_batches]
+  results = _in_threads(tasks)
+  for label, recomputed in zip(labels, results):
+    mismatches, diff = _compare(samples, recomputed)
     out["layouts"][label] = mismatches
     out["mismatches"] += mismatches
     out["max_abs_diff"] = max(out["max_abs_diff"], diff)
   if gradients:
-    out["grad_leaves_differing"], out["grad_leaves_compared"] = gradient_parity(
-        params, samples, setup, ops)
+    out["grad_leaves_differing"], out["grad_leaves_compared"] = _differing_leaves(
+        results[len(labels):])
   batch = _grpo_batch(samples, list(range(len(samples))), max(len(s.tokens) for s in samples),
                       np.ones(len(samples)))
   out["audit"] = [str(f) for f in audit(jax.grad(grpo_loss), params, *batch, setup.model,
