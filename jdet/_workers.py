@@ -38,6 +38,29 @@ def _start_worker(cache_dir: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
+# Each worker's host BLAS (float64 references) stays on one thread: with one
+# OpenBLAS thread pool per core in every worker, the H100 host's 16 cores ran
+# hundreds of spinning threads and small float64 products took minutes.
+SINGLE_THREADED_BLAS = {name: "1" for name in
+                        ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+
+
+@contextlib.contextmanager
+def _environment(variables: dict[str, str]) -> Iterator[None]:
+  """``os.environ`` updated with ``variables`` (what spawned processes inherit) for
+  the block; restored after."""
+  saved = {name: os.environ.get(name) for name in variables}
+  os.environ.update(variables)
+  try:
+    yield
+  finally:
+    for name, value in saved.items():
+      if value is None:
+        os.environ.pop(name, None)
+      else:
+        os.environ[name] = value
+
+
 @contextlib.contextmanager
 def worker_pool(workers: int) -> Iterator[concurrent.futures.ProcessPoolExecutor]:
   """A pool of ``workers`` fresh (spawned) processes that share a compilation cache."""
@@ -45,7 +68,7 @@ def worker_pool(workers: int) -> Iterator[concurrent.futures.ProcessPoolExecutor
   user_cache = jax.config.jax_compilation_cache_dir
   cache_dir = user_cache or tempfile.mkdtemp(prefix="jdet-compilation-cache-")
   try:
-    with concurrent.futures.ProcessPoolExecutor(
+    with _environment(SINGLE_THREADED_BLAS), concurrent.futures.ProcessPoolExecutor(
         workers, mp_context=multiprocessing.get_context("spawn"),
         initializer=_start_worker, initargs=(None if user_cache else cache_dir,)) as pool:
       yield pool

@@ -92,3 +92,11 @@ def test_training_example_is_invariant_with_jdet_only():
   outcome = example["main"](steps=2)
   assert outcome["jdet"] == 0
   assert outcome["jnp baseline"] > 0
+
+
+def test_worker_processes_run_single_threaded_blas_and_leave_the_environment_alone():
+  from jdet import _workers
+  before = dict(os.environ)
+  with _workers.worker_pool(1) as pool:
+    seen = pool.submit(os.getenv, "OPENBLAS_NUM_THREADS").result()
+  assert seen == "1" and dict(os.environ) == before
