@@ -1,10 +1,20 @@
 """Fixtures shared by the suite: the ``gpu`` marker's skip, and the backends to run."""
 
 import importlib.util
+import os
 
-import pytest
+# Under pytest-xdist each worker process would start a host BLAS pool of one thread
+# per core, as the check's worker processes did (jdet/_workers.py: there, small
+# float64 references took minutes among the spinning threads). Each worker gets its
+# share of the cores instead; this runs before anything imports NumPy.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+  for _name in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ.setdefault(_name, str(max(1, (os.cpu_count() or 1)
+                                         // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
 
-from jdet.testing import release_compiled_programs, synchronous_cpu_dispatch
+import pytest  # noqa: E402
+
+from jdet.testing import release_compiled_programs, synchronous_cpu_dispatch  # noqa: E402
 
 synchronous_cpu_dispatch()  # before the first computation: see its docstring
 
