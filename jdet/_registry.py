@@ -842,7 +842,7 @@ def _token_logprobs_sweep(rng):
       [_token_logprobs(h[cut:], w, t[cut:])] if cut < total else [])
   assert_bitwise_equal(jnp.concatenate(parts), full, what=f"{what}, split at {cut}")
   assert_bitwise_equal(full, _token_logprobs_unfused(h, w, t), what=f"{what}: fused vs unfused")
-  assert relative_error(full, _token_logprobs_float64(h, w, t)) <= 1e-5, what
+  assert relative_error(full, _token_logprobs_float64(h, w, t)[0]) <= 1e-5, what
 
 
 def _token_logprobs_sharding(rng):
