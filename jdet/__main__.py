@@ -8,6 +8,9 @@ import sys
 
 
 def main(argv=None) -> int:
+  # The check and the fuzz run worker processes on the same GPU (jdet/_workers.py):
+  # before anything starts jax's backend, this process stops claiming most of its memory.
+  os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
   from jdet.testing import synchronous_cpu_dispatch
   synchronous_cpu_dispatch()  # before the first computation: see its docstring
   from jdet._registry import OPS

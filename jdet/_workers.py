@@ -38,11 +38,13 @@ def _start_worker(cache_dir: str | None) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
-# Each worker's host BLAS (float64 references) stays on one thread: with one
-# OpenBLAS thread pool per core in every worker, the H100 host's 16 cores ran
-# hundreds of spinning threads and small float64 products took minutes.
-SINGLE_THREADED_BLAS = {name: "1" for name in
-                        ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+# What the workers inherit. Their host BLAS (float64 references) stays on one
+# thread: with one OpenBLAS thread pool per core in every worker, the H100 host's 16
+# cores ran hundreds of spinning threads and small float64 products took minutes.
+# And they share one GPU, so none may preallocate most of its memory.
+WORKER_ENVIRONMENT = {**{name: "1" for name in
+                         ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS")},
+                      "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 
 
 @contextlib.contextmanager
@@ -63,12 +65,15 @@ def _environment(variables: dict[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def worker_pool(workers: int) -> Iterator[concurrent.futures.ProcessPoolExecutor]:
-  """A pool of ``workers`` fresh (spawned) processes that share a compilation cache."""
+  """A pool of ``workers`` fresh (spawned) processes that share a compilation cache.
+
+  The calling process should not hold most of the GPU's memory: ``python -m jdet``
+  turns jax's preallocation off unless ``XLA_PYTHON_CLIENT_PREALLOCATE`` is set."""
   import jax
   user_cache = jax.config.jax_compilation_cache_dir
   cache_dir = user_cache or tempfile.mkdtemp(prefix="jdet-compilation-cache-")
   try:
-    with _environment(SINGLE_THREADED_BLAS), concurrent.futures.ProcessPoolExecutor(
+    with _environment(WORKER_ENVIRONMENT), concurrent.futures.ProcessPoolExecutor(
         workers, mp_context=multiprocessing.get_context("spawn"),
         initializer=_start_worker, initargs=(None if user_cache else cache_dir,)) as pool:
       yield pool

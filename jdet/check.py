@@ -1,9 +1,10 @@
 """``python -m jdet check``: every op's invariance, determinism and accuracy on this device.
 
-On a GPU the ops run natively at production-like sizes; on a CPU they run in
-Pallas interpret mode at small sizes. Each case checks the forward and the
-per-row gradients with :mod:`jdet.testing` and measures the error against a
-float64 (or float32 jnp) reference.
+On a GPU the ops run natively at production-like sizes, the cases in worker
+processes (:mod:`jdet._workers`: compiling is most of the time); on a CPU they run
+in Pallas interpret mode at small sizes, in this process. Each case checks the
+forward and the per-row gradients with :mod:`jdet.testing` and measures the error
+of its full-batch output against a float64 (or float32 jnp) reference.
 """
 
 from __future__ import annotations

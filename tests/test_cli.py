@@ -94,9 +94,10 @@ def test_training_example_is_invariant_with_jdet_only():
   assert outcome["jnp baseline"] > 0
 
 
-def test_worker_processes_run_single_threaded_blas_and_leave_the_environment_alone():
+def test_worker_processes_get_their_environment_and_leave_the_callers_alone():
   from jdet import _workers
   before = dict(os.environ)
   with _workers.worker_pool(1) as pool:
-    seen = pool.submit(os.getenv, "OPENBLAS_NUM_THREADS").result()
-  assert seen == "1" and dict(os.environ) == before
+    for name, value in _workers.WORKER_ENVIRONMENT.items():
+      assert pool.submit(os.getenv, name).result() == value, name
+  assert dict(os.environ) == before
