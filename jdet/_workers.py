@@ -19,14 +19,18 @@ import tempfile
 from typing import Iterator
 
 
+MAX_DEFAULT_WORKERS = 8  # each holds a CUDA context and its cases' inputs on the one GPU
+
+
 def default_workers() -> int:
   """Worker processes on this machine: one per two cores on a GPU (each worker
-  also compiles on a second thread), none on a CPU, where interpret-mode kernels
-  call back into Python and XLA:CPU already uses every core."""
+  also compiles on a second thread), at most ``MAX_DEFAULT_WORKERS``; none on a
+  CPU, where interpret-mode kernels call back into Python and XLA:CPU already
+  uses every core."""
   import jax
   if jax.default_backend() != "gpu":
     return 1
-  return max(1, (os.cpu_count() or 2) // 2)
+  return max(1, min(MAX_DEFAULT_WORKERS, (os.cpu_count() or 2) // 2))
 
 
 def _start_worker(cache_dir: str | None) -> None:
