@@ -30,8 +30,8 @@ def main(argv=None) -> int:
                           "from this many per op, so that compiled programs repeat")
   check.add_argument("--workers", type=int, default=None,
                      help="worker processes that run the cases (or the trials) and share "
-                          "a compilation cache; default: one per two cores on a GPU, none "
-                          "on a CPU (the --trials fuzz: none)")
+                          "a compilation cache; default: one per two cores on a GPU (at most "
+                          "8), none on a CPU (the --trials fuzz: none)")
   bench = sub.add_parser("bench", help="timings versus XLA, as a table and a plot")
   bench.add_argument("--op", choices=list(OPS), action="append",
                      help="only this op (repeatable); default: all")
