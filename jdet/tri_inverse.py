@@ -37,26 +37,29 @@ def tri_inverse(a, *, method="blocked", precision=lax.Precision.HIGHEST, interpr
     a: ``[..., n, n]``, float32, bfloat16 or float16, n in {16, 32, 64, 128}.
       Only the strictly lower triangle is read: the diagonal and the upper
       triangle are ignored, whatever they hold.
-    method: ``"blocked"`` (default) inverts the 16x16 diagonal blocks by forward
-      substitution, then merges blocks upward (``X21 = X22 · A21 · X11``). Its
-      relative error (max |X - X_exact| / max |X_exact|, X_exact by forward
-      substitution in long double), measured in f32 on CPU for n = 16, 32,
-      64, 128: at most 6e-8 on :func:`gdn_chunk_matrices` inputs and on
-      ``a = -β·L`` (L the strictly lower ones, β = 0.99 or 1.01); on
-      ``a = +β·L``, whose inverse grows like binomial coefficients (to 1e38 at
-      n = 128), 2e-7, 4e-7, 8e-7, 1.6e-6; on strictly lower N(0, 1) entries
-      (inverse up to 2e15 at n = 128) 1.4e-7, 3.2e-7, 2.6e-6, 2.0e-6, like
-      float32 ``solve_triangular`` (1.4e-7 to 3.2e-6; a float64
-      ``np.linalg.inv`` is off by 0.8 at n = 128). Entries far smaller than
-      the largest carry its absolute error: entrywise relative errors reach
-      6e-3 on N(0, 1) at n = 128 (``solve_triangular``: 5e-3).
-      ``"doubling"`` runs ``X = I, Y = A``; ceil(log2 n) times
-      ``X = X + X·Y, Y = Y·Y``, one n x n product after another: accurate
-      only while the powers of A stay small. Its measured relative errors
-      (f32, HIGHEST): on :func:`gdn_chunk_matrices` inputs about 2e-7 at
-      n = 16, 2e-6 at n = 32, 1e-3 at n = 64 and above 1 at n = 128; on
-      ``a = -0.99 *`` (strictly lower ones) about 2e-4 at n = 16 and above 1
-      from n = 32 on. Use it only for small n or strongly decaying gates.
+    method: ``"blocked"`` (default) is block forward substitution: each
+      16x16 diagonal block is inverted by forward substitution, then each
+      block row follows from the rows above it
+      (``X[i, j] = X[i, i] · Σ_k A[i, k] · X[k, j]``). Its relative error
+      (max |X - X_exact| / max |X_exact|, X_exact by forward substitution in
+      long double), measured in f32 on CPU for n = 16, 32, 64, 128: at most
+      6e-8 on :func:`gdn_chunk_matrices` inputs and on ``a = -β·L`` (L the
+      strictly lower ones, β = 0.99 or 1.01); on ``a = +β·L``, whose inverse
+      grows like binomial coefficients (to 1e38 at n = 128), 2e-7, 4e-7,
+      8e-7, 1.4e-6; on strictly lower N(0, 1) entries (inverse up to 2e15 at
+      n = 128; 16 matrices of two seeds) at most 2e-7, 5e-6, 3e-6, 3e-5,
+      about twice float32 ``solve_triangular`` (2e-7, 2e-6, 2e-6, 1.6e-5; a
+      float64 ``np.linalg.inv`` is off by 0.8 at n = 128). Entries far
+      smaller than the largest carry its absolute error, so their own
+      relative errors are larger.
+      ``"doubling"`` (n = 16, 32 or 64) runs ``X = I, Y = A``; ceil(log2 n)
+      times ``X = X + X·Y, Y = Y·Y``, one n x n product after another:
+      accurate only while the powers of A stay small. Its measured relative
+      errors (f32, HIGHEST): on :func:`gdn_chunk_matrices` inputs about 2e-7
+      at n = 16, 2e-6 at n = 32 and 1e-3 at n = 64 (above 1 at n = 128, which
+      it therefore refuses); on ``a = -0.99 *`` (strictly lower ones) about
+      2e-4 at n = 16 and above 1 from n = 32 on. Use it only for small n or
+      strongly decaying gates.
     precision: of the block products. ``HIGHEST`` (default) is IEEE float32;
       ``DEFAULT``/``HIGH`` let the GPU use TF32. CPU is always IEEE float32.
       Also taken: the names ("HIGHEST") and the strings ``jax.lax.Precision``
@@ -91,6 +94,10 @@ def tri_inverse(a, *, method="blocked", precision=lax.Precision.HIGHEST, interpr
         f"the inverse's leading block unchanged)")
   if not isinstance(method, str) or method not in METHODS:
     raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+  if method == "doubling" and n not in kernels.DOUBLING_SIZES:
+    raise ValueError(
+        f"method='doubling' takes n in {kernels.DOUBLING_SIZES}, got n = {n}: at n = 128 "
+        f"its error exceeds 1 even on GDN inputs; use method='blocked'")
   precision = check_precision("precision", precision, lax.Precision.DEFAULT)
   config = _TriInverseConfig(method, precision, dtype, use_interpret(interpret, a))
   if a.size == 0:
@@ -99,16 +106,16 @@ def tri_inverse(a, *, method="blocked", precision=lax.Precision.HIGHEST, interpr
   return x.reshape(a.shape)
 
 
-def _tiles(n: int, config: _TriInverseConfig, *, backward: bool = False
-           ) -> kernels.TriInverseTiles:
-  return kernels.tri_inverse_tiles(n, interpret=config.interpret, backward=backward)
+def _tiles(n: int, config: _TriInverseConfig, kernel: str) -> kernels.TriInverseTiles:
+  return kernels.tri_inverse_tiles(n, interpret=config.interpret, kernel=kernel)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _tri_inverse(a, config: _TriInverseConfig):
   """a: [B, n, n]; returns X: [B, n, n] float32."""
   return kernels.tri_inverse(a, method=config.method, precision=config.precision,
-                             tiles=_tiles(a.shape[-1], config), interpret=config.interpret)
+                             tiles=_tiles(a.shape[-1], config, config.method),
+                             interpret=config.interpret)
 
 
 def _tri_inverse_forward(a, config):
@@ -119,7 +126,7 @@ def _tri_inverse_forward(a, config):
 def _tri_inverse_backward(config, x, g):
   da = kernels.tri_inverse_backward(
       x, g.astype(jnp.float32), out_dtype=config.input_dtype, precision=config.precision,
-      tiles=_tiles(x.shape[-1], config, backward=True), interpret=config.interpret)
+      tiles=_tiles(x.shape[-1], config, "backward"), interpret=config.interpret)
   return (da,)
 
 

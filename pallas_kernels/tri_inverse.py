@@ -9,8 +9,9 @@ padding, the grid, ``matrices_per_program`` and the launch parameters never
 change a result; NaN or inf in one matrix stays in that matrix.
 
 Kernels:
-  * :func:`tri_inverse_blocked_kernel` - forward substitution on the diagonal
-    16x16 blocks, then block merges ``X21 = X22 · A21 · X11`` upward (accurate).
+  * :func:`tri_inverse_blocked_kernel` - block forward substitution: each
+    16x16 diagonal block inverted by forward substitution, then each block
+    row from the rows above it (accurate).
   * :func:`tri_inverse_doubling_kernel` - ``X = I, Y = A; X += X·Y, Y = Y·Y``
     over the whole matrix (fast to state, loses accuracy when ``I - A`` is
     ill-conditioned in f32; see ``jdet.tri_inverse``).
@@ -27,9 +28,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._common import (compiler_params, dot_f32, launcher, lookup_tiles,
-                                    pad_axis, sum_in_order)
+from pallas_kernels._common import (compiler_params, dot_f32, launcher, lookup_tiles, pad_axis,
+                                    store_block)
 
 TILE = 16
 SIZES = (16, 32, 64, 128)
@@ -45,36 +47,43 @@ class TriInverseTiles:
 
 # GPU tiles by the largest n they serve (never by the number of matrices).
 # Every candidate gave the same bits; the sweep that chose them is in
-# notes/h100_notebook.md, "Triangular inverse tile sweep"
-# (`benchmarks/bench_tri_inverse.py --sweep`). One warp is fastest up to n = 64
-# forward: the substitution has no cross-warp reductions.
+# benchmarks/results/h100.md (`benchmarks/bench_tri_inverse.py --sweep`). One
+# warp does best where the loops are short: the substitution has no cross-warp
+# reductions, and stages pipeline the loads of the block loops.
 GPU_FORWARD_TILES: tuple[tuple[int, TriInverseTiles], ...] = (
-    (16, TriInverseTiles(4, 1, 1)),    # 14 us for 8192 matrices
-    (32, TriInverseTiles(2, 1, 1)),    # 41 us
-    (64, TriInverseTiles(1, 1, 1)),    # 132 us
-    (128, TriInverseTiles(1, 4, 1)),   # 1043 us
+    (16, TriInverseTiles(4, 1, 1)),
+    (32, TriInverseTiles(1, 1, 3)),
+    (64, TriInverseTiles(1, 1, 3)),
+    (128, TriInverseTiles(1, 2, 3)),
 )
-# Above PRELOAD_MAX_N the backward loads each block where it is used (one row
-# of P at a time): 3.1 ms at n = 128 against 19.7 ms loading every block first.
 GPU_BACKWARD_TILES: tuple[tuple[int, TriInverseTiles], ...] = (
-    (16, TriInverseTiles(4, 1, 1)),    # 19 us
-    (32, TriInverseTiles(2, 4, 1)),    # 66 us
-    (64, TriInverseTiles(1, 4, 1)),    # 237 us
-    (128, TriInverseTiles(1, 4, 1)),   # 3.1 ms
+    (16, TriInverseTiles(4, 1, 1)),
+    (32, TriInverseTiles(1, 2, 1)),
+    (64, TriInverseTiles(1, 1, 3)),
+    (128, TriInverseTiles(1, 2, 3)),
 )
-PRELOAD_MAX_N = 64  # the backward loads every block first up to this n
+# The doubling kernel holds whole n x n matrices in registers: it needs more
+# warps as n grows (with one warp at n = 64 it spilled and ran 20x slower).
+GPU_DOUBLING_TILES: tuple[tuple[int, TriInverseTiles], ...] = (
+    (16, TriInverseTiles(4, 1, 1)),
+    (32, TriInverseTiles(1, 4, 1)),
+    (64, TriInverseTiles(1, 8, 1)),
+)
+DOUBLING_SIZES = tuple(size for size, _ in GPU_DOUBLING_TILES)
 
 # Interpret mode (CPU): one config for every n. Two matrices per program so
 # that CI runs the in-program loop and the batch padding it needs.
 INTERPRET_TILES = TriInverseTiles(2, 4, 1)
 
 
-def tri_inverse_tiles(n: int, *, interpret: bool, backward: bool = False) -> TriInverseTiles:
-  """Tiles for the forward (or ``backward``) kernel on n x n matrices; a
-  function of n, the pass and the backend only."""
+def tri_inverse_tiles(n: int, *, interpret: bool, kernel: str = "blocked") -> TriInverseTiles:
+  """Tiles for ``kernel`` ("blocked", "doubling" or "backward") on n x n
+  matrices; a function of n, the kernel and the backend only."""
   if interpret:
     return INTERPRET_TILES
-  return lookup_tiles(GPU_BACKWARD_TILES if backward else GPU_FORWARD_TILES, n)
+  tables = {"blocked": GPU_FORWARD_TILES, "doubling": GPU_DOUBLING_TILES,
+            "backward": GPU_BACKWARD_TILES}
+  return lookup_tiles(tables[kernel], n)
 
 
 def _iota(axis: int):
@@ -99,73 +108,68 @@ def _load_tile(ref, t, i: int, j: int):
   return ref[t, rows, cols].astype(jnp.float32)
 
 
-def _store_tile(ref, t, i: int, j: int, value):
+def _store_tile(ref, t, i, j, value):
   ref[t, pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)] = value.astype(ref.dtype)
 
 
-def _invert_diagonal_tiles(lowers):
-  """``inv(I - L)`` for each strictly lower [16, 16] f32 block L, together.
+def _invert_diagonal_tile(lower):
+  """``inv(I - L)`` for a strictly lower [16, 16] float32 block L.
 
   Column-oriented forward substitution: for k = 0..14, every row i > k gets
   ``L[i, k] * X[k, :]`` added (row k is final by then), so ``X[i, j]`` is the sum
   over ascending k. Rows and columns are picked with masks and sums, never by
-  indexing registers. (Six masked [16, 16] products per tile, the blocked
-  merge done inside the tile, measured slower on the H100: 192 vs 132 us at
-  n = 64, 1 warp.)
+  indexing registers.
   """
   rows, cols = _iota(0), _iota(1)
+
+  def eliminate(k, inverse):
+    column = jnp.sum(jnp.where(cols == k, lower, 0.0), axis=1)
+    row = jnp.sum(jnp.where(rows == k, inverse, 0.0), axis=0)
+    return inverse + (lax.broadcast_in_dim(column, (TILE, TILE), (0,))
+                      * lax.broadcast_in_dim(row, (TILE, TILE), (1,)))
+
   identity = jnp.where(rows == cols, 1.0, 0.0).astype(jnp.float32)
-
-  def eliminate(k, inverses):
-    updated = []
-    for lower, inverse in zip(lowers, inverses):
-      column = jnp.sum(jnp.where(cols == k, lower, 0.0), axis=1)
-      row = jnp.sum(jnp.where(rows == k, inverse, 0.0), axis=0)
-      updated.append(inverse + lax.broadcast_in_dim(column, (TILE, TILE), (0,))
-                     * lax.broadcast_in_dim(row, (TILE, TILE), (1,)))
-    return tuple(updated)
-
-  return lax.fori_loop(0, TILE - 1, eliminate, (identity,) * len(lowers))
+  return lax.fori_loop(0, TILE - 1, eliminate, identity)
 
 
-def tri_inverse_blocked_kernel(a_ref, x_ref, *, precision):
+def tri_inverse_blocked_kernel(a_ref, x_ref, *, precision, native: bool):
   """``X = inv(I - tril(A, -1))`` for each of the TB matrices of the block.
 
   a_ref: [TB, n, n] any float dtype; x_ref: [TB, n, n] float32; n a multiple of
-  ``TILE``. Diagonal blocks by forward substitution; then for block sizes
-  s = 16, 32, ... < n and each diagonal pair of s-blocks,
-  ``T = A21 · X11`` and ``X21 = X22 · T``, each 16x16 block a sum over the
-  inner blocks in ascending order, skipping the blocks known to be zero.
-  Blocks above the diagonal are stored as zeros, and so is the upper part of
-  the diagonal blocks (whatever the input holds).
+  ``TILE``. Block forward substitution over 16x16 blocks, one block row after
+  another (loops, so that the kernel's code does not grow with n):
+  ``X[i, i] = D = inv(I - A[i, i])`` by forward substitution, then for j < i
+  ``X[i, j] = D · Σ_{k=j}^{i-1} A[i, k] · X[k, j]``, the sum in ascending k.
+  The blocks of X already written are read back from ``x_ref`` (``native``:
+  after a barrier, so that every thread of the program sees them). Blocks
+  above the diagonal, and the diagonal blocks' upper parts, are stored as
+  zeros whatever the input holds.
   """
-  count = a_ref.shape[-1] // TILE
+  n = a_ref.shape[-1]
   dot = functools.partial(dot_f32, precision=precision)
 
-  def invert(t, carry):
-    lowers = [_strictly_lower(_load_tile(a_ref, t, i, i)) for i in range(count)]
-    x = {(i, i): inverse for i, inverse in enumerate(_invert_diagonal_tiles(lowers))}
-    size = 1
-    while size < count:
-      for start in range(0, count, 2 * size):
-        top = range(start, start + size)
-        bottom = range(start + size, start + 2 * size)
-        a21 = {(p, r): _load_tile(a_ref, t, p, r) for p in bottom for r in top}
-        t21 = {(p, q): sum_in_order([dot(a21[p, r], x[r, q])
-                                      for r in top if r >= q])
-               for p in bottom for q in top}
-        for p in bottom:
-          for q in top:
-            x[p, q] = sum_in_order([dot(x[p, r], t21[r, q])
-                                     for r in bottom if r <= p])
-      size *= 2
-    zeros = jnp.zeros((TILE, TILE), jnp.float32)
-    for i in range(count):
-      for j in range(count):
-        _store_tile(x_ref, t, i, j, x[i, j] if j < i else _lower(x[i, j]) if j == i else zeros)
+  def block_row(t, i, carry):
+    inverse = _invert_diagonal_tile(_strictly_lower(_load_tile(a_ref, t, i, i)))
+    beyond = lax.broadcasted_iota(jnp.int32, (n,), 0) >= (i + 1) * TILE
+    store_block(x_ref.at[t, pl.ds(i * TILE, TILE), :], jnp.zeros((TILE, n), jnp.float32),
+                cols=beyond)
+    _store_tile(x_ref, t, i, i, _lower(inverse))
+
+    def block(j, carry):
+      def accumulate(k, total):
+        return total + dot(_load_tile(a_ref, t, i, k), _load_tile(x_ref, t, k, j))
+      total = lax.fori_loop(j, i, accumulate, jnp.zeros((TILE, TILE), jnp.float32))
+      _store_tile(x_ref, t, i, j, dot(inverse, total))
+      return carry
+
+    lax.fori_loop(0, i, block, 0)
+    if native:
+      pltriton.debug_barrier()
     return carry
 
-  lax.fori_loop(0, a_ref.shape[0], invert, 0)
+  lax.fori_loop(0, a_ref.shape[0],
+                lambda t, carry: lax.fori_loop(0, n // TILE, functools.partial(block_row, t),
+                                               carry), 0)
 
 
 def tri_inverse_doubling_kernel(a_ref, x_ref, *, precision):
@@ -203,45 +207,35 @@ def tri_inverse_backward_kernel(x_ref, g_ref, da_ref, *, precision):
   g_ref: [TB, n, n] float32 cotangent, of which only the strictly lower
   triangle is read (the rest cannot reach dA's strictly lower triangle);
   da_ref: [TB, n, n] in the input's dtype, zero on and above the diagonal.
-  One block row i of dA at a time, over 16x16 blocks: the row of P = Xᵀ · G,
-  ``P[i, l] = Σ_{k ≥ i} X[k, i]ᵀ · G[k, l]`` for l ≤ i, then
-  ``dA[i, j] = Σ_{l ≤ j} P[i, l] · X[j, l]ᵀ`` for j ≤ i, both sums in
-  ascending order. Up to ``PRELOAD_MAX_N`` every block of X and G is loaded
-  up front; above it each block is loaded where it is used, so that only one
-  row of P and one block column of X are held (the same sums, the same bits).
+  One block row i of dA after another (loops): for l = 0..i in ascending order,
+  the 16x16 block ``P[i, l] = Σ_{k ≥ i} X[k, i]ᵀ · G[k, l]`` of P = Xᵀ · G (sum
+  in ascending k), then ``dA[i, :] += P[i, l] · X[:, l]ᵀ``, a [16, 16] x [16, n]
+  product.
   """
-  count = x_ref.shape[-1] // TILE
+  n = x_ref.shape[-1]
+  count = n // TILE
   dot = functools.partial(dot_f32, precision=precision)
+  rows = lax.broadcasted_iota(jnp.int32, (TILE, n), 0)
+  cols = lax.broadcasted_iota(jnp.int32, (TILE, n), 1)
 
-  def load_g(t, k, l):
-    block = _load_tile(g_ref, t, k, l)
-    return _strictly_lower(block) if k == l else block
+  def block_row(t, i, carry):
+    def add_column_block(l, total):
+      def accumulate(k, p):
+        g = _load_tile(g_ref, t, k, l)
+        return p + dot(_load_tile(x_ref, t, k, i), jnp.where(k == l, _strictly_lower(g), g),
+                       trans_a=True)
+      p = lax.fori_loop(i, count, accumulate, jnp.zeros((TILE, TILE), jnp.float32))
+      x_columns = x_ref[t, :, pl.ds(l * TILE, TILE)]
+      return total + dot(p, x_columns, trans_b=True)
 
-  def differentiate(t, carry):
-    if x_ref.shape[-1] <= PRELOAD_MAX_N:
-      lower = [(i, j) for i in range(count) for j in range(i + 1)]
-      x_blocks = {ij: _load_tile(x_ref, t, *ij) for ij in lower}
-      g_blocks = {ij: load_g(t, *ij) for ij in lower}
-      x_block, g_block = lambda *ij: x_blocks[ij], lambda *ij: g_blocks[ij]
-    else:
-      x_block = functools.partial(_load_tile, x_ref, t)
-      g_block = functools.partial(load_g, t)
-    zeros = jnp.zeros((TILE, TILE), jnp.float32)
-    for i in range(count):
-      x_column = {k: x_block(k, i) for k in range(i, count)}
-      p_row = [sum_in_order([dot(x_column[k], g_block(k, l), trans_a=True)
-                             for k in range(i, count)])
-               for l in range(i + 1)]
-      for j in range(count):
-        if j > i:
-          _store_tile(da_ref, t, i, j, zeros)
-          continue
-        block = sum_in_order([dot(p_row[l], x_block(j, l), trans_b=True)
-                              for l in range(j + 1)])
-        _store_tile(da_ref, t, i, j, _strictly_lower(block) if i == j else block)
+    da = lax.fori_loop(0, i + 1, add_column_block, jnp.zeros((TILE, n), jnp.float32))
+    da_ref[t, pl.ds(i * TILE, TILE), :] = jnp.where(cols < i * TILE + rows, da,
+                                                     0.0).astype(da_ref.dtype)
     return carry
 
-  lax.fori_loop(0, x_ref.shape[0], differentiate, 0)
+  lax.fori_loop(0, x_ref.shape[0],
+                lambda t, carry: lax.fori_loop(0, count, functools.partial(block_row, t),
+                                               carry), 0)
 
 
 def _launch(kernel, inputs, *, out_dtype, tiles: TriInverseTiles, interpret: bool,
@@ -272,9 +266,11 @@ def tri_inverse(a, *, method: str, precision, tiles: TriInverseTiles, interpret:
 
   a: [B, n, n] float dtype, n in ``SIZES``. Returns X: [B, n, n] float32.
   """
-  kernels = {"blocked": tri_inverse_blocked_kernel,
-             "doubling": tri_inverse_doubling_kernel}
-  kernel = functools.partial(kernels[method], precision=precision)
+  if method == "blocked":
+    kernel = functools.partial(tri_inverse_blocked_kernel, precision=precision,
+                               native=not interpret)
+  else:
+    kernel = functools.partial(tri_inverse_doubling_kernel, precision=precision)
   return _launch(kernel, (a,), out_dtype=jnp.float32, tiles=tiles, interpret=interpret,
                  name=f"jdet_tri_inverse_{method}")
 
