@@ -23,6 +23,9 @@ from jdet.bench import on_gpu  # noqa: E402
 
 def pytest_collection_modifyitems(config, items):
   if on_gpu():
+    # pytest-xdist hands tests out in this order: the long ones go first, or a long one
+    # handed out last would run on alone at the end.
+    items.sort(key=lambda item: "long" not in item.keywords)
     return
   skip = pytest.mark.skip(reason="needs an NVIDIA GPU")
   for item in items:

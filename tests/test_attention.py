@@ -302,6 +302,7 @@ def test_kernels_lower_for_cuda(dtype, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.long
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_gpu_prefill_decode_chunked_split(dtype):
   seq, batch = 1024, 2

@@ -73,5 +73,6 @@ def test_rl_parity_demo_is_bitwise_with_jdet():
 
 
 @pytest.mark.gpu
+@pytest.mark.long
 def test_rl_parity_demo_on_the_gpu():
   assert parity.parity_check("gpu")["ok"]

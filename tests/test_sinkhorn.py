@@ -229,6 +229,7 @@ def test_bad_arguments_raise(logits, kwargs, error, match):
 
 
 @pytest.mark.gpu
+@pytest.mark.long
 @pytest.mark.parametrize("init", ["softmax", "exp"])
 @pytest.mark.parametrize("n", [3, 4, 8, 16])
 def test_gpu_invariance_and_accuracy_at_scale(n, init):

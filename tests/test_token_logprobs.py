@@ -155,6 +155,7 @@ def test_bad_input_raises(kwargs, error, match):
 
 
 @pytest.mark.gpu
+@pytest.mark.long
 @pytest.mark.parametrize("vocab", [151936, 128256, 50257])
 def test_gpu_fused_equals_unfused_and_rows_invariant(vocab):
   """Realistic LM head: fused == unfused bitwise (temperature 1 and 0.7), rows 1..300

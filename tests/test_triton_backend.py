@@ -128,6 +128,7 @@ def jax_triton():
 
 
 @pytest.mark.gpu
+@pytest.mark.long
 @pytest.mark.parametrize("k,n", [(4096, 4096), (1000, 3000)])
 def test_gpu_triton_rows_invariant_and_equal_to_pallas(jax_triton, k, n):
   """Forward and dA rows across every dispatch boundary up to M = 2100; dB with
