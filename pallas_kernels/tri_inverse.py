@@ -2,8 +2,8 @@
 
 Numerics contract (what makes a matrix's bits independent of the batch): each
 matrix is handled by one pass of a program's loop, alone; its strictly lower
-triangle is read, everything is computed in float32 on ``TILE`` x ``TILE``
-blocks, and every sum is taken in a fixed order written in this file. No
+triangle is read, everything is computed in float32 on blocks of ``TILE``
+rows, and every sum is taken in a fixed order written in this file. No
 operation ever mixes two matrices, so the number of matrices, their position,
 padding, the grid, ``matrices_per_program`` and the launch parameters never
 change a result; NaN or inf in one matrix stays in that matrix.
