@@ -132,6 +132,14 @@ def _invert_diagonal_tile(lower):
   return lax.fori_loop(0, TILE - 1, eliminate, identity)
 
 
+def _for_each_block_row(matrices: int, n: int, block_row) -> None:
+  """Calls ``block_row(t, i, carry)`` for each matrix t of the program, then each of
+  its block rows i in increasing order, as loops (the kernel's code stays one block
+  row's, whatever n)."""
+  lax.fori_loop(0, matrices, lambda t, carry: lax.fori_loop(
+      0, n // TILE, functools.partial(block_row, t), carry), 0)
+
+
 def tri_inverse_blocked_kernel(a_ref, x_ref, *, precision, native: bool):
   """``X = inv(I - tril(A, -1))`` for each of the TB matrices of the block.
 
@@ -167,9 +175,7 @@ def tri_inverse_blocked_kernel(a_ref, x_ref, *, precision, native: bool):
       pltriton.debug_barrier()
     return carry
 
-  lax.fori_loop(0, a_ref.shape[0],
-                lambda t, carry: lax.fori_loop(0, n // TILE, functools.partial(block_row, t),
-                                               carry), 0)
+  _for_each_block_row(a_ref.shape[0], n, block_row)
 
 
 def tri_inverse_doubling_kernel(a_ref, x_ref, *, precision):
@@ -233,9 +239,7 @@ def tri_inverse_backward_kernel(x_ref, g_ref, da_ref, *, precision):
                                                      0.0).astype(da_ref.dtype)
     return carry
 
-  lax.fori_loop(0, x_ref.shape[0],
-                lambda t, carry: lax.fori_loop(0, count, functools.partial(block_row, t),
-                                               carry), 0)
+  _for_each_block_row(x_ref.shape[0], n, block_row)
 
 
 def _launch(kernel, inputs, *, out_dtype, tiles: TriInverseTiles, interpret: bool,

@@ -34,20 +34,24 @@ TOLERANCE = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2, jnp.float16: 2e-3}
 GPU_TF32_TOLERANCE = 2e-3
 
 
+def _loss(backend):
+  """sum(a @ b * g) through the backend's jdet.matmul."""
+  matmul = functools.partial(jdet.matmul, backend=backend)
+  return lambda a, b, g: jnp.sum(matmul(a, b).astype(jnp.float32) * g)
+
+
 @functools.cache
 def _jitted(backend):
   """(forward, (dA, dB) of sum(a @ b * g)), jitted once per backend."""
-  matmul = functools.partial(jdet.matmul, backend=backend)
-  grads = jax.grad(lambda a, b, g: jnp.sum(matmul(a, b).astype(jnp.float32) * g), (0, 1))
-  return jax.jit(matmul), jax.jit(grads)
+  return (jax.jit(functools.partial(jdet.matmul, backend=backend)),
+          jax.jit(jax.grad(_loss(backend), (0, 1))))
 
 
 @functools.cache
 def _jitted_da(backend):
   """dA of sum(a @ b * g) alone: jit drops the dB kernel, which a test of dA's rows
   would otherwise compile for every row count."""
-  matmul = functools.partial(jdet.matmul, backend=backend)
-  return jax.jit(jax.grad(lambda a, b, g: jnp.sum(matmul(a, b).astype(jnp.float32) * g)))
+  return jax.jit(jax.grad(_loss(backend)))
 
 
 mm, mm_grads = _jitted("pallas")
@@ -346,6 +350,7 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype):
   return plans
 
 
+@functools.cache
 def _plans_taken(rows_limit: int, cols: int, contraction: int, layout) -> dict:
   """Each plan (kernel and tiles) jdet.matmul takes for the forward or dA at some
   row count up to ``rows_limit``, with the smallest row count that takes it."""
