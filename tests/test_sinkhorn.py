@@ -235,15 +235,14 @@ def test_bad_arguments_raise(logits, kwargs, error, match):
 def test_gpu_invariance_and_accuracy_at_scale(n, init):
   """262,147 tokens on the Triton lowering: prefixes and suffixes match bitwise.
 
-  Every token count compiles its own kernels (about 10 s for the n = 4 unrolled
-  backward), so the GPU checks a few counts; the CPU tests cover 1, 2, 7, 64 and
-  the padding and chunk variants.
+  Every token count compiles its own kernels, so the GPU checks a few counts; the
+  CPU tests cover 1, 2, 7, 64 and the padding and chunk variants.
   """
   total = 262147
   fn = _all_passes(20, init)
   x, g = _logits(61, (total, n, n), spread=24.0), _cotangent(62, (total, n, n))
   full = fn(x, g)
-  for size in (1, 7, 1000, 65536):
+  for size in (1, 7, 65536):
     for start in (0, total - size):
       part = fn(x[start:start + size], g[start:start + size])
       assert_bitwise_equal(part, jax.tree.map(lambda y: y[start:start + size], full),

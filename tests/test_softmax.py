@@ -174,14 +174,14 @@ def test_bad_input_raises(x, kwargs, error, match):
 @pytest.mark.parametrize("length", [5, 1000, 8192, 8193, 128256, 151936, 262144])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_rows_alone_equal_the_batch(length, dtype):
-  """Realistic row lengths: rows 1..300 in batches of every size vs alone, forward
+  """Realistic row lengths: rows 1..300 in batches of several sizes vs alone, forward
   and backward, every op."""
   rng = np.random.default_rng(length)
   x = _normal(rng, (300, length), dtype)
   g = _normal(rng, (300, length), jnp.float32, scale=1.0)
   gl = _normal(rng, (300,), scale=1.0)
   full = everything(x, g, gl)
-  for m in (1, 2, 3, 17, 64, 129, 255):
+  for m in (1, 17, 64, 129, 255):
     assert_bitwise_equal(everything(x[:m], g[:m], gl[:m]), tuple(v[:m] for v in full),
                          what=f"L={length}, first {m} rows")
   for i in (0, 150, 299):
