@@ -2,7 +2,7 @@
 
 ``python -m jdet check`` runs each entry's ``check_cases``, ``python -m jdet bench``
 its ``bench_cases`` (``--first-call``: its ``first_call_cases``, the bench cases at
-three sizes nothing else uses), ``tests/test_properties.py`` its ``sweep_case`` and
+a warm-up size and three sizes nothing else uses), ``tests/test_properties.py`` its ``sweep_case`` and
 the sharding test (``tests/sharded_check.py``) its ``sharding_case``. Adding an op
 means writing its module (``jdet/<op>.py`` over ``pallas_kernels/<op>.py``) and
 one entry here::
@@ -57,14 +57,16 @@ REFERENCE_ROWS = 128
 # Batch sizes every CPU check case tries besides the whole batch, single rows, padding
 # and vmap: each size compiles interpret-mode programs, which is most of the CPU time.
 CPU_CHECK_SIZES = (1, 3)
-# First-call latency (``python -m jdet bench --first-call``): three sizes no other case
-# uses, so that every call compiles. Token counts; matrix counts for tri_inverse; sequence
-# lengths for attention and token counts for token_logprobs, whose jnp references hold
-# [T, T] scores or [T, V] logits.
-FIRST_CALL_TOKENS = (4099, 8191, 30001)
-FIRST_CALL_MATRICES = (1000, 3001, 4099)
-FIRST_CALL_SEQUENCE = (1000, 2049, 3001)
-FIRST_CALL_QUICK = (5, 9, 17)  # CPU interpret
+# First-call latency (``python -m jdet bench --first-call``): sizes no other case uses,
+# so that every call compiles. The first size warms the process (imports, backend and
+# autotuner start-up: its rows read "warm-up call"); the other three are the measured
+# first calls. Token counts; matrix counts for tri_inverse; sequence lengths for
+# attention and token counts for token_logprobs, whose jnp references hold [T, T]
+# scores or [T, V] logits.
+FIRST_CALL_TOKENS = (2053, 4099, 8191, 30001)
+FIRST_CALL_MATRICES = (517, 1000, 3001, 4099)
+FIRST_CALL_SEQUENCE = (513, 1000, 2049, 3001)
+FIRST_CALL_QUICK = (3, 5, 9, 17)  # CPU interpret
 
 
 def first_call_sizes(full: bool) -> tuple[int, ...]:

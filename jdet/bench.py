@@ -177,8 +177,10 @@ def first_call_rows(cases: Sequence[BenchCase], *, progress: bool = True,
   """First-call latency of jdet and of the baseline for every case, on one input
   set each (the cases' shapes must be fresh: ``first_call_cases`` in the registry).
   A row's pass reads "<pass> first call" and its times are microseconds, so the
-  one table (:func:`markdown_table`) holds them."""
-  rows, baseline_us = [], {}
+  one table (:func:`markdown_table`) holds them. The first case of each op and
+  pass warms the process (its row reads "<pass> warm-up call"): the first
+  call there also pays one-off costs that a later new shape does not."""
+  rows, baseline_us, warm = [], {}, set()
   for i, case in enumerate(cases):
     if progress:
       progress_bar(i, len(cases), f"{case.op} {case.case} {case.pass_} first call")
@@ -187,7 +189,9 @@ def first_call_rows(cases: Sequence[BenchCase], *, progress: bool = True,
     timed = (case.op, case.case, case.pass_, case.baseline)
     if timed not in baseline_us:
       baseline_us[timed] = first_call_seconds(case.baseline_fn, args) * 1e6
-    rows.append(Row(case.op, case.case, f"{case.pass_} first call", jdet_us, case.baseline,
+    kind = "first call" if (case.op, case.pass_) in warm else "warm-up call"
+    warm.add((case.op, case.pass_))
+    rows.append(Row(case.op, case.case, f"{case.pass_} {kind}", jdet_us, case.baseline,
                     baseline_us[timed]))
     if on_row:
       on_row(rows[-1])

@@ -74,16 +74,18 @@ def test_bench_writes_markdown_and_plot_and_warns_on_cpu(tmp_path, capsys):
 
 
 def test_bench_first_call_times_fresh_sizes(tmp_path, capsys):
-  """--first-call writes one row per case and pass, at sizes no bench case uses."""
+  """--first-call writes one row per case and pass, at sizes no bench case uses,
+  the first size's rows marked as the process's warm-up."""
   for op in OPS.values():
     for full in (False, True):
       labels = {c.case for c in op.first_call_cases(full)}
-      assert len(labels) == 3, (op.name, labels)
+      assert len(labels) == 4, (op.name, labels)
       assert not labels & {c.case for c in op.bench_cases(full)}, (op.name, full)
   assert cli.main(["bench", "--first-call", "--op", "matmul", "--out", str(tmp_path)]) == 0
   table = (tmp_path / "first_call.md").read_text()
   rows = [line.split("|")[1:-1] for line in table.splitlines() if line.startswith("| matmul")]
-  assert [r[2].strip() for r in rows] == ["fwd first call", "fwd+bwd first call"] * 3
+  assert [r[2].strip() for r in rows] == (["fwd warm-up call", "fwd+bwd warm-up call"]
+                                          + ["fwd first call", "fwd+bwd first call"] * 3)
   assert all(float(r[3]) > 0 and float(r[5]) > 0 for r in rows)
 
 
