@@ -320,7 +320,7 @@ def test_gpu_prefill_decode_chunked_split(dtype):
                          jnp.full((batch,), t, jnp.int32), split=split)
       assert_bitwise_equal(step[:, 0], whole[:, t], what=f"decode t={t} split={split}")
   start = 0
-  for size in (1, 7, 64, 200, 333, 419):
+  for size in (1, 63, 333, 419):
     got = attend(q[:, start:start + size], k, v, jnp.full((batch,), start + size, jnp.int32),
                  jnp.full((batch,), start, jnp.int32))
     assert_bitwise_equal(got, whole[:, start:start + size], what=f"chunk {start}+{size}")

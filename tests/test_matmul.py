@@ -402,7 +402,7 @@ def test_gpu_invariance_envelope_every_kernel(k, n):
   forward, dA and dB, and every plan jdet.matmul takes for M from 1 to 16411 gives
   a prefix of them (each at the smallest M that takes it, plus edge sizes)."""
   a, b, g, forward, da_reference, db_reference = _gpu_every_kernel_agrees(k, n)
-  sizes = sorted({1, 7, 100, 300, 777, 1000, 4097, GPU_SWEEP_ROWS}
+  sizes = sorted({1, 7, 777, 4097, GPU_SWEEP_ROWS}
                  | set(_plans_taken(GPU_SWEEP_ROWS, n, k, Layout.NN).values())
                  | set(_plans_taken(GPU_SWEEP_ROWS, k, n, Layout.NT).values()))
   for m in sizes:

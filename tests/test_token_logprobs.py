@@ -173,7 +173,7 @@ def test_gpu_fused_equals_unfused_and_rows_invariant(vocab):
     assert_bitwise_equal(got, want, what=f"V={vocab}, temperature {tau}: fused vs unfused")
   out = fused(h, w, t)
   dh, dw = grads(h, w, t, g)
-  for m in (1, 2, 3, 17, 64, 129, 255):
+  for m in (1, 17, 64, 129, 255):
     assert_bitwise_equal(fused(h[:m], w, t[:m]), out[:m], what=f"V={vocab}, first {m} rows")
     dh_m, dw_m = grads(h[:m], w, t[:m], g[:m])
     assert_bitwise_equal(dh_m, dh[:m], what=f"V={vocab}, dhidden, first {m} rows")

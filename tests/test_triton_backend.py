@@ -116,10 +116,10 @@ triton_mm = jax.jit(functools.partial(jdet.matmul, backend="triton"))
 pallas_mm = jax.jit(jdet.matmul)
 
 
-def _grads(backend):
+def _grads(backend, argnums=(0, 1)):
   def loss(a, b, g):
     return jnp.sum(jdet.matmul(a, b, backend=backend).astype(jnp.float32) * g)
-  return jax.jit(jax.grad(loss, argnums=(0, 1)))
+  return jax.jit(jax.grad(loss, argnums=argnums))
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +132,8 @@ def jax_triton():
 @pytest.mark.parametrize("k,n", [(4096, 4096), (1000, 3000)])
 def test_gpu_triton_rows_invariant_and_equal_to_pallas(jax_triton, k, n):
   """Forward and dA rows across every dispatch boundary up to M = 2100; dB with
-  zero-cotangent rows; every result bitwise equal to the Pallas backend's."""
+  zero-cotangent rows (its tiles never see the row count: a few counts, partial
+  64-row steps among them); every result bitwise equal to the Pallas backend's."""
   rng = np.random.default_rng(11)
   total = 2100
   a, b, g = (random_normal(rng, shape, jnp.bfloat16) for shape in ((total, k), (k, n), (total, n)))
@@ -148,12 +149,14 @@ def test_gpu_triton_rows_invariant_and_equal_to_pallas(jax_triton, k, n):
       backend="triton")
   changes = [m for m in range(2, total + 1) for cols, contraction in ((n, k), (k, n))
              if plan(m, cols, contraction) != plan(m - 1, cols, contraction)]
+  triton_da = _grads("triton", argnums=0)
   for m in sorted({1, 2, 3, 7, 100, total} | {c for m in changes for c in (m - 1, m)}):
     assert_bitwise_equal(triton_mm(a[:m], b), reference[:m], what=f"forward M={m}")
-    da, db = triton_grads(a[:m], b, g[:m])
-    assert_bitwise_equal(da, da_reference[:m], what=f"dA M={m}")
+    assert_bitwise_equal(triton_da(a[:m], b, g[:m]), da_reference[:m], what=f"dA M={m}")
+  for m in (1, 7, 100, total - 1):
     padded_g = g.at[m:].set(0)
-    assert_bitwise_equal(triton_grads(a, b, padded_g)[1], db, what=f"dB, {total - m} zero rows")
+    assert_bitwise_equal(triton_grads(a, b, padded_g)[1], triton_grads(a[:m], b, g[:m])[1],
+                         what=f"dB, {total - m} zero rows")
 
 
 @pytest.mark.gpu
