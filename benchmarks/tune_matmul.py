@@ -2,8 +2,10 @@
 
 Writes nothing: its printed tables are the measurement behind the tile tables in
 ``pallas_kernels/matmul.py`` (Triton ladder) and ``pallas_kernels/hopper_matmul.py``.
-Run: ``PYTHONPATH=. python3 benchmarks/tune_matmul.py [--m 1 16 64 256]
-[--hopper-m 1024 4096] [--row-tiles-m 200 448]``; ``--hopper-m`` sweeps only
+Run: ``PYTHONPATH=. python3 benchmarks/tune_matmul.py [--m 1 16 64 256 4096]
+[--kn 3000 1000] [--hopper-m 1024 4096] [--row-tiles-m 200 448]``; ``--m`` sweeps the
+Triton ladder's candidates for each M (those listed for the largest key <= M) over
+the ``--kn`` weights (default: the model weights of HOPPER_KN); ``--hopper-m`` sweeps only
 the Hopper kernel's strip configs (forward, dA, dB) at those M;
 ``--row-tiles-m`` its forward/dA tiles against the plan's pick;
 ``--at-b`` the Triton dB kernel's tiles.
@@ -37,6 +39,8 @@ LADDER_CANDIDATES = {
         + [T(64, 128, 4, s) for s in (4, 6, 8)],
     256: [T(64, 128, 4, s) for s in (4, 5, 6, 7, 8)] + [T(64, 64, 4, s) for s in (6, 8)]
          + [T(128, 128, 8, s) for s in (3, 4, 5)] + [T(128, 256, 8, 3)],
+    1024: [T(128, 256, 8, s) for s in (3, 4)] + [T(128, 128, 8, s) for s in (3, 4, 5)]
+          + [T(128, 128, 4, 4), T(64, 256, 4, 4), T(256, 128, 8, 3), T(128, 64, 4, 5)],
 }
 AT_B_CANDIDATES = (T(128, 256, 8, 3), T(128, 128, 8, 3), T(64, 256, 4, 3))
 COPIES = 3  # rotate B so that it does not sit in the 50 MB L2
@@ -132,15 +136,19 @@ def row_tile_sweep(m_values):
               + " | ".join(cells) + " |", flush=True)
 
 
-def ladder_sweep(m_values):
-  """Forward and dA at each M: XLA, the tile the ladder picks, and every
+def _ladder_candidates(m):
+  return LADDER_CANDIDATES[max(key for key in LADDER_CANDIDATES if key <= m)]
+
+
+def ladder_sweep(m_values, weights=HOPPER_KN):
+  """Forward and dA at each M and weight: XLA, the tile the ladder picks, and every
   candidate of LADDER_CANDIDATES (XLA time / kernel time; bits against the pick)."""
   name = lambda t: f"{t.block_m}x{t.block_n} w{t.num_warps} s{t.num_stages}"
   print(f"# GEMM tile sweep on {bench.device_description()}")
   print("| pass | M | K | N | XLA us | ladder pick | best | candidates |\n" + "|---" * 8 + "|")
   triton = functools.partial(kernels.matmul, out_dtype=jnp.bfloat16, precision=None,
                              interpret=False)
-  for k, n in HOPPER_KN:
+  for k, n in weights:
     for transpose_b in (False, True):  # dA contracts over N and returns [M, K]
       cols, depth = (k, n) if transpose_b else (n, k)
       b_shape = (1, cols, depth) if transpose_b else (1, depth, cols)
@@ -153,7 +161,7 @@ def ladder_sweep(m_values):
         pick = matmul_plan.triton_tiles(Layout.NN, m, cols, bf16, bf16)
         reference = np.asarray(triton(*args[0], transpose_b=transpose_b, tiles=pick))
         results = []
-        for tiles in [pick, *LADDER_CANDIDATES[m]]:
+        for tiles in [pick, *_ladder_candidates(m)]:
           fn = functools.partial(triton, transpose_b=transpose_b, tiles=tiles)
           same = np.array_equal(np.asarray(fn(*args[0])).view(np.uint16),
                                 reference.view(np.uint16))
@@ -184,7 +192,9 @@ def at_b_sweep(m=1024):
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--m", type=int, nargs="+", default=sorted(LADDER_CANDIDATES),
-                      choices=sorted(LADDER_CANDIDATES), help="ladder sweep at these M")
+                      help="ladder sweep at these M (M >= 1)")
+  parser.add_argument("--kn", type=int, nargs=2, action="append", metavar=("K", "N"),
+                      help="a weight of the ladder sweep (repeatable; default HOPPER_KN)")
   parser.add_argument("--hopper-m", type=int, nargs="+",
                       help="sweep the Hopper kernel's configs at these M instead")
   parser.add_argument("--row-tiles-m", type=int, nargs="+",
@@ -199,7 +209,7 @@ def main():
   elif args.at_b:
     at_b_sweep()
   else:
-    ladder_sweep(args.m)
+    ladder_sweep(args.m, [tuple(kn) for kn in args.kn] if args.kn else HOPPER_KN)
 
 
 if __name__ == "__main__":
