@@ -216,6 +216,17 @@ def _moveaxis_tree(tree, axis):
   return jax.tree.map(lambda y: jnp.moveaxis(y, axis, 0), tree)
 
 
+def lowered_triton_kernels(fn: Callable[..., Any], *args) -> list[str]:
+  """What XLA compiles ``jax.jit(fn)(*args)``'s Triton kernels from, lowered for an
+  NVIDIA GPU on any machine (``args`` may be ``jax.ShapeDtypeStruct``): each
+  Triton call's backend config (the kernel's IR, its grid and warps), in program
+  order, without the operands. Two programs whose lists agree run the same compiled
+  kernels, and XLA's kernel cache can serve one from the other."""
+  text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  calls = [line for line in text.splitlines() if "@__gpu$xla.gpu.triton(" in line]
+  return [line[line.index("{"):].rsplit(" : ", 1)[0] for line in calls]
+
+
 def assert_deterministic(fn: Callable[..., Any], *args, runs: int = 10) -> None:
   """Asserts ``jax.jit(fn)(*args)`` gives the same bits on every one of ``runs`` runs."""
   jfn = jax.jit(fn)

@@ -12,8 +12,12 @@ float32 block (columns past L read as -inf). One function,
 
 ``block_rows``, W and the warps are a pure function of L (:func:`softmax_tiles`),
 never of the row count, so a row meets the same blocks, the same reduction trees
-and the same op sequence in every batch. Rows past the array's end are masked
-on load and store; a NaN stays in its own row.
+and the same op sequence in every batch. The row count reaches the kernels as an
+operand, not as a constant, and the grid is bucketed
+(:func:`~pallas_kernels._common.bucketed_grid`): every row count of a bucket runs
+the same compiled kernel. Rows past the count are masked on load and store (every
+block carries the row mask); programs past it return at once. A NaN stays in its
+own row.
 
 The streamed token kernels (:func:`token_chunk_update`) fold the columns
 [c0, c0 + C) of a row (C a multiple of W, c0 a multiple of C) into a state that
@@ -52,8 +56,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._common import (block_mask, cdiv, compiler_params, divide, launcher,
-                                    multiply, multiply_add, pad_axis, store_block)
+from pallas_kernels._common import (block_mask, bucketed_grid, cdiv, compiler_params, divide,
+                                    launcher, multiply, multiply_add, pad_axis, store_block)
 
 SOFTMAX, LOG_SOFTMAX, LOGSUMEXP = "softmax", "log_softmax", "logsumexp"
 KINDS = (SOFTMAX, LOG_SOFTMAX, LOGSUMEXP)
@@ -147,25 +151,17 @@ def _initial_state(block_rows: int):
 # j covers columns j*W .. j*W + W - 1.
 
 
-def _valid_rows(block_rows: int, rows: int):
-  return block_mask(pl.program_id(0) * block_rows, block_rows, rows) if rows % block_rows else None
-
-
 def _mask(valid, cols):
-  if valid is None:
-    return None if cols is None else cols[None, :]
   return valid[:, None] if cols is None else valid[:, None] & cols[None, :]
 
 
 def _load(ref, valid, cols=None, *, fill=0):
   """Loads a block as float32, ``fill`` where the row/column masks are False."""
-  mask = _mask(valid, cols)
-  x = ref[...] if mask is None else pltriton.load(ref, mask=mask, other=fill)
-  return x.astype(jnp.float32)
+  return pltriton.load(ref, mask=_mask(valid, cols), other=fill).astype(jnp.float32)
 
 
 def _load_tokens(ref, valid):
-  return ref[...] if valid is None else pltriton.load(ref, mask=valid[:, None], other=0)
+  return pltriton.load(ref, mask=valid[:, None], other=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,11 +217,10 @@ class _Row:
 # Kernels.
 
 
-def row_forward_kernel(x_ref, y_ref, m_ref, s_ref, *, kind: str, rows: int, row: _Row,
+def row_forward_kernel(x_ref, y_ref, m_ref, s_ref, *, kind: str, valid, row: _Row,
                        native: bool):
   """x_ref: [block_rows, n*W] (any float dtype); y_ref: the same block (softmax,
   log_softmax) or [block_rows, 1] (logsumexp); m_ref, s_ref: [block_rows, 1] float32."""
-  valid = _valid_rows(x_ref.shape[0], rows)
   load = lambda start, last: row.load(x_ref, start, valid, last=last, fill=-jnp.inf)
   (m, s), last_block = row.sweep(
       load, lambda x, _, state: online_update(*state, x, native=native),
@@ -245,7 +240,7 @@ def row_forward_kernel(x_ref, y_ref, m_ref, s_ref, *, kind: str, rows: int, row:
            last_block)
 
 
-def row_backward_kernel(x_ref, m_ref, s_ref, g_ref, dx_ref, *, kind: str, rows: int, row: _Row,
+def row_backward_kernel(x_ref, m_ref, s_ref, g_ref, dx_ref, *, kind: str, valid, row: _Row,
                         native: bool):
   """VJP from the input x, the saved state and the output cotangent g.
 
@@ -253,7 +248,6 @@ def row_backward_kernel(x_ref, m_ref, s_ref, g_ref, dx_ref, *, kind: str, rows: 
   dx = g p (g_ref [block_rows, 1]); p = y = exp(x - m) / s. Row sums run over
   the sub-chunks in increasing order.
   """
-  valid = _valid_rows(x_ref.shape[0], rows)
   m, s = _load(m_ref, valid), _load(s_ref, valid)
   inv_s = divide(1.0, s, native=native)
   probs = lambda x: jnp.exp(x - m) * inv_s
@@ -288,7 +282,7 @@ def _scaled(x, inv_temperature: float, native: bool):
 
 
 def token_chunk_update_kernel(x_ref, tok_ref, m_ref, s_ref, p_ref, m_out, s_out, p_out, *,
-                              rows: int, row: _Row, inv_temperature: float, native: bool):
+                              valid, row: _Row, inv_temperature: float, native: bool):
   """Folds one vocab chunk into each row's (m, s, picked logit).
 
   x_ref: [block_rows, n*W] float32 logits of the chunk, multiplied in-kernel by
@@ -297,7 +291,6 @@ def token_chunk_update_kernel(x_ref, tok_ref, m_ref, s_ref, p_ref, m_out, s_out,
   m, s, p refs: [block_rows, 1] float32 state in and out (aliased). The picked
   logit is the max of -inf and the token's logit / temperature (exact).
   """
-  valid = _valid_rows(x_ref.shape[0], rows)
   token = _load_tokens(tok_ref, valid)
   cols = lax.broadcasted_iota(jnp.int32, (1, row.width), 1)
 
@@ -315,21 +308,19 @@ def token_chunk_update_kernel(x_ref, tok_ref, m_ref, s_ref, p_ref, m_out, s_out,
     store_block(ref, value, rows=valid)
 
 
-def token_finalize_kernel(m_ref, s_ref, p_ref, o_ref, *, rows: int):
+def token_finalize_kernel(m_ref, s_ref, p_ref, o_ref, *, valid):
   """log-prob = picked - m - log(s), rounded as :func:`row_forward_kernel`'s log_softmax."""
-  valid = _valid_rows(m_ref.shape[0], rows)
   m, s, picked = _load(m_ref, valid), _load(s_ref, valid), _load(p_ref, valid)
   store_block(o_ref, _log_softmax_values(picked, m, jnp.log(s)), rows=valid)
 
 
-def token_chunk_backward_kernel(x_ref, tok_ref, m_ref, s_ref, g_ref, dl_ref, *, rows: int,
+def token_chunk_backward_kernel(x_ref, tok_ref, m_ref, s_ref, g_ref, dl_ref, *, valid,
                                 row: _Row, inv_temperature: float, native: bool):
   """dlogits of one chunk: (onehot(token) - p) * g / τ, p = exp(x / τ - m) / s.
 
   x_ref: [block_rows, n*W] float32 logits before the temperature; tok_ref, m, s,
   g refs: [block_rows, 1]; dl_ref: like x_ref, in the GEMM's compute dtype.
   """
-  valid = _valid_rows(x_ref.shape[0], rows)
   token = _load_tokens(tok_ref, valid)
   m, s, g = _load(m_ref, valid), _load(s_ref, valid), _load(g_ref, valid)
   inv_s = divide(1.0, s, native=native)
@@ -355,27 +346,38 @@ def _aligned(x):
 def _call(kernel, inputs, outputs, *, tiles: SoftmaxTiles, wide, interpret: bool, name: str,
           row: _Row | None = None, aliases=None):
   """Launches ``kernel`` over row blocks; ``wide`` says which inputs/outputs are
-  [rows, n*W] row blocks of ``row`` (the rest are [rows, 1] per-row values)."""
+  [rows, n*W] row blocks of ``row`` (the rest are [rows, 1] per-row values).
+  The kernel gets ``valid``, its block's [block_rows] row mask from the row count,
+  which it reads from an operand (see the module docstring); ``aliases`` index
+  ``inputs``."""
   rows = inputs[0].shape[0]
   block_rows = tiles.block_rows
   value_spec = pl.BlockSpec((block_rows, 1), lambda i: (i, 0))
-  kernel = functools.partial(kernel, rows=rows)
   if row is not None:
     kernel = functools.partial(kernel, row=row)
     row_spec = pl.BlockSpec((block_rows, row.count * row.width), lambda i: (i, 0))
   specs = [row_spec if w else value_spec for w in wide]
   out_specs = specs[len(inputs):] if isinstance(outputs, list) else specs[-1]
+
+  def counted(count_ref, *refs):
+    first = pl.program_id(0) * block_rows
+    valid = block_mask(first, block_rows, count_ref[0])
+
+    @pl.when(first < count_ref[0])
+    def _():
+      kernel(*refs, valid=valid)
+
   return pl.pallas_call(
-      kernel,
-      grid=(cdiv(rows, block_rows),),
-      in_specs=specs[:len(inputs)],
+      counted,
+      grid=(bucketed_grid(cdiv(rows, block_rows)),),
+      in_specs=[pl.BlockSpec((1,), lambda i: (0,))] + specs[:len(inputs)],
       out_specs=out_specs,
       out_shape=outputs,
-      input_output_aliases=aliases or {},
+      input_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
       compiler_params=compiler_params(tiles.num_warps, 1),
       interpret=interpret,
       name=name,
-  )(*inputs)
+  )(jnp.full((1,), rows, jnp.int32), *inputs)
 
 
 def _column(v):
