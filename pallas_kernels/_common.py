@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 
@@ -29,6 +30,34 @@ def bucketed_grid(programs: int) -> int:
     return programs
   step = 1 << (programs.bit_length() - 3)
   return cdiv(programs, step) * step
+
+
+def counted_rows_call(kernel, *, rows: int, block_rows: int, in_specs, out_specs, out_shape,
+                      input_output_aliases=None, **params):
+  """``pl.pallas_call`` of ``kernel`` over blocks of ``block_rows`` rows (grid axis
+  0) of a ``rows``-row batch, with the row count an operand rather than a constant,
+  so that the compiled kernel is the same for every count of a bucket
+  (:func:`bucketed_grid`). ``kernel(*refs, valid=...)`` gets its block's
+  [block_rows] row mask and masks its loads and stores with it; programs past the
+  count return at once. ``in_specs`` and ``input_output_aliases`` are those of the
+  inputs; ``params`` go to ``pl.pallas_call``. Returns a function of the inputs."""
+  def counted(count_ref, *refs):
+    first = pl.program_id(0) * block_rows
+    valid = block_mask(first, block_rows, count_ref[0])
+
+    @pl.when(first < count_ref[0])
+    def _():
+      kernel(*refs, valid=valid)
+
+  call = pl.pallas_call(
+      counted,
+      grid=(bucketed_grid(cdiv(rows, block_rows)),),
+      in_specs=[pl.BlockSpec((1,), lambda i: (0,)), *in_specs],
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases={i + 1: o for i, o in (input_output_aliases or {}).items()},
+      **params)
+  return lambda *inputs: call(jnp.full((1,), rows, jnp.int32), *inputs)
 
 
 def pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:

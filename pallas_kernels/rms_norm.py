@@ -8,7 +8,10 @@ column chunks in increasing order. The sum of squares (forward) and the sum of
 along its columns once at the end. Rows never mix: a row's bits depend on its
 own data, the weight and the tile, and the tile (:func:`rms_norm_tiles`) is a
 function of H alone, never of the row count. Rows past M (always masked,
-whatever M) and columns past H are read as 0 and not stored.
+whatever M) and columns past H are read as 0 and not stored. The forward and dx
+kernels read M from an operand on a bucketed grid (``_common.counted_rows_call``),
+the dweight sum the number of partials: one compiled kernel serves every M of a
+bucket.
 
 Per row, in float32: ``mean = sum(h²) / H``, ``rstd = rsqrt(mean + eps)``,
 ``y = (h * rstd) * w`` rounded to the input dtype, where ``h = x`` or, with a
@@ -46,8 +49,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._common import (block_mask, cdiv, compiler_params, launcher, load_block,
-                                    product, store_block)
+from pallas_kernels._common import (block_mask, bucketed_grid, cdiv, compiler_params,
+                                    counted_rows_call, launcher, load_block, product,
+                                    store_block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,14 +142,6 @@ def _store_vector(ref, value, mask=None):
     pltriton.store(ref, value.astype(ref.dtype), mask=mask)
 
 
-def _row_mask(block_rows: int, m: int):
-  """Which rows of the block exist. Always applied, even where M is a multiple of
-  ``block_rows``: a kernel whose code changed with M could round differently
-  (interpret mode showed it: XLA:CPU contracted multiply-adds differently in the
-  masked and unmasked dx kernels)."""
-  return block_mask(pl.program_id(0) * block_rows, block_rows, m)
-
-
 def _chunks(rows, h: int, chunk: int, row_span=slice(None)):
   """(read, write, read_vector, write_vector) for chunk k of the rows ``row_span``
   of a block, or of a 1-D block: float32 reads, zero outside the array; writes
@@ -203,14 +199,14 @@ def _resident(load, count: int):
   return lambda k: value
 
 
-def rms_norm_forward_kernel(*refs, h: int, m: int, eps: float, chunk: int,
+def rms_norm_forward_kernel(*refs, valid, h: int, eps: float, chunk: int,
                             has_residual: bool, native: bool):
   """refs: x, weight, [residual,] then y, [sum,] rstd.
 
   x/residual/y/sum: [block_rows, chunks * chunk] blocks (x's dtype); weight:
-  [chunks * chunk] (any float); rstd: [block_rows] float32. ``native``: the GPU
-  (products that sums consume are rounded on their own in interpret mode,
-  :func:`pallas_kernels._common.product`).
+  [chunks * chunk] (any float); rstd: [block_rows] float32; ``valid``: the block's
+  row mask. ``native``: the GPU (products that sums consume are rounded on their
+  own in interpret mode, :func:`pallas_kernels._common.product`).
   """
   if has_residual:
     x_ref, w_ref, r_ref, y_ref, s_ref, rstd_ref = refs
@@ -218,8 +214,7 @@ def rms_norm_forward_kernel(*refs, h: int, m: int, eps: float, chunk: int,
     x_ref, w_ref, y_ref, rstd_ref = refs
   block_rows = x_ref.shape[0]
   count = cdiv(h, chunk)
-  rows = _row_mask(block_rows, m)
-  read, write, read_vector, _ = _chunks(rows, h, chunk)
+  read, write, read_vector, _ = _chunks(valid, h, chunk)
 
   def load_input(k):  # x, or x + r rounded to x's dtype
     x = read(x_ref, k)
@@ -236,13 +231,13 @@ def rms_norm_forward_kernel(*refs, h: int, m: int, eps: float, chunk: int,
     return product(x, x, native=native)
 
   rstd = lax.rsqrt(_row_sums(squares, count, block_rows, chunk) / h + eps)
-  _store_vector(rstd_ref, rstd, rows)
+  _store_vector(rstd_ref, rstd, valid)
   _for_each_chunk(
       lambda k: write(y_ref, k, (chunk_input(k) * rstd[:, None]) * read_vector(w_ref, k)[None, :]),
       count)
 
 
-def rms_norm_dx_kernel(*refs, h: int, m: int, block_rows: int, chunk: int,
+def rms_norm_dx_kernel(*refs, valid, h: int, block_rows: int, chunk: int,
                        has_sum_cotangent: bool, native: bool):
   """One chunk of rows: dh, row block by row block, and the chunk's dw partial.
 
@@ -250,7 +245,8 @@ def rms_norm_dx_kernel(*refs, h: int, m: int, block_rows: int, chunk: int,
   input), g (cotangent of y), g_sum (cotangent of the returned sum), dh:
   [chunk_rows, chunks * chunk] blocks; weight: [chunks * chunk]; rstd:
   [chunk_rows] float32; partial: [chunks * chunk] float32, the sum over the
-  chunk's rows of ``g * xhat``. ``native`` as in :func:`rms_norm_forward_kernel`.
+  chunk's rows of ``g * xhat``; ``valid``: the chunk's [chunk_rows] row mask.
+  ``native`` as in :func:`rms_norm_forward_kernel`.
   """
   if has_sum_cotangent:
     x_ref, w_ref, rstd_ref, g_ref, gs_ref, dx_ref, p_ref = refs
@@ -258,11 +254,11 @@ def rms_norm_dx_kernel(*refs, h: int, m: int, block_rows: int, chunk: int,
     x_ref, w_ref, rstd_ref, g_ref, dx_ref, p_ref = refs
   chunk_rows = x_ref.shape[0]
   count = cdiv(h, chunk)
-  first_row = pl.program_id(0) * chunk_rows
+  rows_here = jnp.sum(valid.astype(jnp.int32))  # the chunk's rows before the count
 
   def step(s, sums):  # sums: per column chunk, [block_rows, chunk] sums of g * xhat
     start = pl.multiple_of(s * block_rows, block_rows)
-    rows = block_mask(first_row + start, block_rows, m)
+    rows = block_mask(start, block_rows, rows_here)
     read, write, read_vector, _ = _chunks(rows, h, chunk, pl.ds(start, block_rows))
     rstd = _load_vector(rstd_ref.at[pl.ds(start, block_rows)], rows)[:, None]
 
@@ -297,22 +293,24 @@ def rms_norm_dx_kernel(*refs, h: int, m: int, block_rows: int, chunk: int,
     write_vector(p_ref, k, jnp.sum(total, axis=0))
 
 
-def rms_norm_dweight_sum_kernel(p_ref, dw_ref, *, h: int, count: int, row_step: int):
-  """dw over ``block_cols`` columns from the ``count`` chunks' partials: partial p
-  added into slot ``p % row_step`` in chunk order, the slots added at the end.
+def rms_norm_dweight_sum_kernel(count_ref, p_ref, dw_ref, *, h: int, row_step: int):
+  """dw over ``block_cols`` columns from the chunks' partials: partial p added
+  into slot ``p % row_step`` in chunk order, the slots added at the end.
 
-  p_ref: [cdiv(count, row_step) * row_step, block_cols] float32 (rows past
-  ``count`` are not read); dw_ref: [block_cols] (weight's dtype).
+  count_ref: [1] int32, the number of partials (an operand, as the row count is
+  for the dx kernel); p_ref: [a multiple of row_step, block_cols] float32 (rows
+  past the count are not read: they add exact zeros); dw_ref: [block_cols]
+  (weight's dtype).
   """
   block_cols = p_ref.shape[1]
   cols = block_mask(pl.program_id(0) * block_cols, block_cols, h) if h % block_cols else None
 
   def step(s, acc):
     start = pl.multiple_of(s * row_step, row_step)
-    rows = block_mask(start, row_step, count)
+    rows = block_mask(start, row_step, count_ref[0])
     return acc + load_block(p_ref.at[pl.ds(start, row_step), :], rows=rows, cols=cols)
 
-  acc = lax.fori_loop(0, cdiv(count, row_step), step,
+  acc = lax.fori_loop(0, p_ref.shape[0] // row_step, step,
                       jnp.zeros((row_step, block_cols), jnp.float32))
   _store_vector(dw_ref, jnp.sum(acc, axis=0), cols)
 
@@ -323,7 +321,8 @@ def rms_norm_dweight_sum_kernel(p_ref, dw_ref, *, h: int, count: int, row_step: 
 
 def _row_call(kernel, inputs, outputs, *, tiles: RmsNormTiles, rows: int, interpret: bool,
               name: str):
-  """Runs a row kernel with one program per ``rows`` rows. ``inputs``/``outputs``
+  """Runs a row kernel with one program per ``rows`` rows, the row count an operand
+  (the kernel gets ``valid``: :func:`counted_rows_call`). ``inputs``/``outputs``
   are (kind, array or ShapeDtypeStruct) pairs; kind "rows" ([M, H], a row block),
   "weight" ([H], whole), "rstd" ([M], a row block) or "partial" ([programs, H],
   the program's row)."""
@@ -333,15 +332,10 @@ def _row_call(kernel, inputs, outputs, *, tiles: RmsNormTiles, rows: int, interp
            "weight": pl.BlockSpec((width,), lambda i: (0,)),
            "rstd": pl.BlockSpec((rows,), lambda i: (i,)),
            "partial": pl.BlockSpec((None, width), lambda i: (i, 0))}
-  return pl.pallas_call(
-      kernel,
-      grid=(cdiv(m, rows),),
-      in_specs=[specs[kind] for kind, _ in inputs],
-      out_specs=[specs[kind] for kind, _ in outputs],
-      out_shape=[o for _, o in outputs],
-      compiler_params=compiler_params(tiles.num_warps, 1),
-      interpret=interpret,
-      name=name,
+  return counted_rows_call(
+      kernel, rows=m, block_rows=rows, in_specs=[specs[kind] for kind, _ in inputs],
+      out_specs=[specs[kind] for kind, _ in outputs], out_shape=[o for _, o in outputs],
+      compiler_params=compiler_params(tiles.num_warps, 1), interpret=interpret, name=name,
   )(*(x for _, x in inputs))
 
 
@@ -359,7 +353,7 @@ def rms_norm_forward(x, weight, residual=None, *, eps: float, tiles: RmsNormTile
   row = ("rows", jax.ShapeDtypeStruct((m, h), x.dtype))
   outputs = [row] * (2 if has_residual else 1) + [("rstd", jax.ShapeDtypeStruct((m,),
                                                                                 jnp.float32))]
-  kernel = functools.partial(rms_norm_forward_kernel, h=h, m=m, eps=eps, chunk=tiles.chunk,
+  kernel = functools.partial(rms_norm_forward_kernel, h=h, eps=eps, chunk=tiles.chunk,
                              has_residual=has_residual, native=not interpret)
   results = _row_call(kernel, inputs, outputs, tiles=tiles, rows=tiles.block_rows,
                       interpret=interpret,
@@ -380,24 +374,28 @@ def rms_norm_backward(x, weight, rstd, g, g_sum=None, *, tiles: RmsNormTiles,
   m, h = x.shape
   has_sum = g_sum is not None
   chunks = cdiv(m, tiles.chunk_rows)
+  bc, step = sum_tiles.block_cols, sum_tiles.row_step
+  # One partial row per program of the dx kernel's bucketed grid, rounded up to
+  # row_step: the rows past ``chunks`` are never written nor read.
+  partial_rows = cdiv(bucketed_grid(chunks), step) * step
   inputs = [("rows", x), ("weight", weight), ("rstd", rstd), ("rows", g)]
   inputs += [("rows", g_sum)] if has_sum else []
   outputs = [("rows", jax.ShapeDtypeStruct((m, h), x.dtype)),
-             ("partial", jax.ShapeDtypeStruct((chunks, h), jnp.float32))]
-  kernel = functools.partial(rms_norm_dx_kernel, h=h, m=m, block_rows=tiles.block_rows,
+             ("partial", jax.ShapeDtypeStruct((partial_rows, h), jnp.float32))]
+  kernel = functools.partial(rms_norm_dx_kernel, h=h, block_rows=tiles.block_rows,
                              chunk=tiles.chunk, has_sum_cotangent=has_sum,
                              native=not interpret)
   dx, partials = _row_call(kernel, inputs, outputs, tiles=tiles, rows=tiles.chunk_rows,
                            interpret=interpret, name="jdet_rms_norm_dx")
-  bc, step = sum_tiles.block_cols, sum_tiles.row_step
   dw = pl.pallas_call(
-      functools.partial(rms_norm_dweight_sum_kernel, h=h, count=chunks, row_step=step),
+      functools.partial(rms_norm_dweight_sum_kernel, h=h, row_step=step),
       grid=(cdiv(h, bc),),
-      in_specs=[pl.BlockSpec((cdiv(chunks, step) * step, bc), lambda j: (0, j))],
+      in_specs=[pl.BlockSpec((1,), lambda j: (0,)),
+                pl.BlockSpec((partial_rows, bc), lambda j: (0, j))],
       out_specs=pl.BlockSpec((bc,), lambda j: (j,)),
       out_shape=jax.ShapeDtypeStruct((h,), weight.dtype),
       compiler_params=compiler_params(sum_tiles.num_warps, sum_tiles.num_stages),
       interpret=interpret,
       name="jdet_rms_norm_dweight",
-  )(partials)
+  )(jnp.full((1,), chunks, jnp.int32), partials)
   return dx, dw

@@ -7,8 +7,10 @@ zero-filled), so a column sum is an unrolled chain of adds over the rows in
 increasing order and a row sum is a reduction along the row whose order is
 fixed by the tile (which depends on n only). No operation mixes tokens: a
 token's bits depend on its own logits only, never on the block size, the grid,
-or the other tokens (tail tokens of the last block are masked on load and
-store; a NaN token stays in its own lanes).
+or the other tokens (tokens past the count are masked on load and store; a NaN
+token stays in its own lanes). The token count is a kernel operand on a bucketed
+grid (``_common.counted_rows_call``): one compiled kernel serves every count of a
+bucket.
 
 Iteration (see ``jdet.sinkhorn`` for the formulas): an *init* (softmax rows + eps
 then one column normalisation, or exp of the shifted logits), then ``units``
@@ -38,7 +40,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import (block_mask, cdiv, compiler_params, launcher,
+from pallas_kernels._common import (cdiv, compiler_params, counted_rows_call, launcher,
                                     load_block, lookup_tiles, multiply_add, pad_axis,
                                     product, reciprocal, store_block, sum_in_order)
 
@@ -270,10 +272,6 @@ def _segments(units: int, max_length: int) -> tuple[int, int, int]:
 # matrix is columns i*width .. i*width + width - 1.
 
 
-def _token_mask(block: int, tokens: int):
-  return block_mask(pl.program_id(0) * block, block, tokens)
-
-
 def _real_columns(n: int, width: int):
   return (jnp.arange(width) < n)[None, :]
 
@@ -300,15 +298,14 @@ def _store_matrix(ref, m, valid):
     store_block(ref.at[:, pl.ds(i * width, width)], row.astype(ref.dtype), rows=valid)
 
 
-def sinkhorn_forward_kernel(x_ref, o_ref, *, plan: _Plan, tokens: int):
+def sinkhorn_forward_kernel(x_ref, o_ref, *, plan: _Plan, valid):
   """x_ref: [block_tokens, n*width] logits (any float); o_ref: same block, float32."""
-  valid = _token_mask(x_ref.shape[0], tokens)
   x = _load_logits(x_ref, valid, plan.n)
   real = _real_columns(plan.n, x[0].shape[1])
   _store_matrix(o_ref, _iterate(_init(x, plan, real), plan.units, plan), valid)
 
 
-def sinkhorn_unrolled_backward_kernel(x_ref, g_ref, dx_ref, *, plan: _Plan, tokens: int,
+def sinkhorn_unrolled_backward_kernel(x_ref, g_ref, dx_ref, *, plan: _Plan, valid,
                                       segment_units: int):
   """Exact VJP of the finite iteration, recomputing the iterates on chip.
 
@@ -323,7 +320,6 @@ def sinkhorn_unrolled_backward_kernel(x_ref, g_ref, dx_ref, *, plan: _Plan, toke
   work: about units * (segments + 1) / 2 forward units plus one backward unit
   per unit.
   """
-  valid = _token_mask(x_ref.shape[0], tokens)
   real = _real_columns(plan.n, x_ref.shape[1] // plan.n)
   start = lambda: _init(_load_logits(x_ref, valid, plan.n), plan, real)
   g = _load_matrix(g_ref, valid, plan.n)
@@ -367,7 +363,7 @@ def sinkhorn_unrolled_backward_kernel(x_ref, g_ref, dx_ref, *, plan: _Plan, toke
 _CG_CURVATURE_FLOOR = 1e-6
 
 
-def sinkhorn_implicit_backward_kernel(r_ref, g_ref, dx_ref, *, n: int, tokens: int,
+def sinkhorn_implicit_backward_kernel(r_ref, g_ref, dx_ref, *, n: int, valid,
                                       cg_steps: int, native: bool):
   """Fixed-point VJP from the corrected system, per token.
 
@@ -381,7 +377,6 @@ def sinkhorn_implicit_backward_kernel(r_ref, g_ref, dx_ref, *, n: int, tokens: i
   own in interpret mode).
   """
   mul = functools.partial(product, native=native)
-  valid = _token_mask(r_ref.shape[0], tokens)
   r = _load_matrix(r_ref, valid, n)
   g = _load_matrix(g_ref, valid, n)
   col_sums = _sums(r, COLUMNS)
@@ -426,21 +421,17 @@ def sinkhorn_implicit_backward_kernel(r_ref, g_ref, dx_ref, *, n: int, tokens: i
 
 
 def _launch(kernel, inputs, *, out_dtype, tiles: SinkhornTiles, interpret: bool, name: str):
-  """Runs ``kernel`` over [T, n, n] inputs, rows zero-padded to a power-of-two width."""
+  """Runs ``kernel`` over [T, n, n] inputs, rows zero-padded to a power-of-two width.
+  The kernel gets ``valid``, its block's token mask (:func:`counted_rows_call`)."""
   tokens, n, _ = inputs[0].shape
   width = pl.next_power_of_2(n)
   flat = [pad_axis(x, 2, width).reshape(tokens, n * width) for x in inputs]
   block = tiles.block_tokens
   spec = pl.BlockSpec((block, n * width), lambda i: (i, 0))
-  out = pl.pallas_call(
-      functools.partial(kernel, tokens=tokens),
-      grid=(cdiv(tokens, block),),
-      in_specs=[spec] * len(inputs),
-      out_specs=spec,
+  out = counted_rows_call(
+      kernel, rows=tokens, block_rows=block, in_specs=[spec] * len(inputs), out_specs=spec,
       out_shape=jax.ShapeDtypeStruct((tokens, n * width), out_dtype),
-      compiler_params=compiler_params(tiles.num_warps, 1),
-      interpret=interpret,
-      name=name,
+      compiler_params=compiler_params(tiles.num_warps, 1), interpret=interpret, name=name,
   )(*flat)
   return out.reshape(tokens, n, width)[:, :, :n]
 

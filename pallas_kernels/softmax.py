@@ -14,8 +14,8 @@ float32 block (columns past L read as -inf). One function,
 never of the row count, so a row meets the same blocks, the same reduction trees
 and the same op sequence in every batch. The row count reaches the kernels as an
 operand, not as a constant, and the grid is bucketed
-(:func:`~pallas_kernels._common.bucketed_grid`): every row count of a bucket runs
-the same compiled kernel. Rows past the count are masked on load and store (every
+(:func:`~pallas_kernels._common.counted_rows_call`): every row count of a bucket
+runs the same compiled kernel. Rows past the count are masked on load and store (every
 block carries the row mask); programs past it return at once. A NaN stays in its
 own row.
 
@@ -56,8 +56,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._common import (block_mask, bucketed_grid, cdiv, compiler_params, divide,
-                                    launcher, multiply, multiply_add, pad_axis, store_block)
+from pallas_kernels._common import (block_mask, cdiv, compiler_params, counted_rows_call,
+                                    divide, launcher, multiply, multiply_add, pad_axis,
+                                    store_block)
 
 SOFTMAX, LOG_SOFTMAX, LOGSUMEXP = "softmax", "log_softmax", "logsumexp"
 KINDS = (SOFTMAX, LOG_SOFTMAX, LOGSUMEXP)
@@ -347,9 +348,8 @@ def _call(kernel, inputs, outputs, *, tiles: SoftmaxTiles, wide, interpret: bool
           row: _Row | None = None, aliases=None):
   """Launches ``kernel`` over row blocks; ``wide`` says which inputs/outputs are
   [rows, n*W] row blocks of ``row`` (the rest are [rows, 1] per-row values).
-  The kernel gets ``valid``, its block's [block_rows] row mask from the row count,
-  which it reads from an operand (see the module docstring); ``aliases`` index
-  ``inputs``."""
+  The kernel gets ``valid``, its block's row mask (:func:`counted_rows_call`);
+  ``aliases`` index ``inputs``."""
   rows = inputs[0].shape[0]
   block_rows = tiles.block_rows
   value_spec = pl.BlockSpec((block_rows, 1), lambda i: (i, 0))
@@ -358,26 +358,11 @@ def _call(kernel, inputs, outputs, *, tiles: SoftmaxTiles, wide, interpret: bool
     row_spec = pl.BlockSpec((block_rows, row.count * row.width), lambda i: (i, 0))
   specs = [row_spec if w else value_spec for w in wide]
   out_specs = specs[len(inputs):] if isinstance(outputs, list) else specs[-1]
-
-  def counted(count_ref, *refs):
-    first = pl.program_id(0) * block_rows
-    valid = block_mask(first, block_rows, count_ref[0])
-
-    @pl.when(first < count_ref[0])
-    def _():
-      kernel(*refs, valid=valid)
-
-  return pl.pallas_call(
-      counted,
-      grid=(bucketed_grid(cdiv(rows, block_rows)),),
-      in_specs=[pl.BlockSpec((1,), lambda i: (0,))] + specs[:len(inputs)],
-      out_specs=out_specs,
-      out_shape=outputs,
-      input_output_aliases={i + 1: o for i, o in (aliases or {}).items()},
-      compiler_params=compiler_params(tiles.num_warps, 1),
-      interpret=interpret,
-      name=name,
-  )(jnp.full((1,), rows, jnp.int32), *inputs)
+  return counted_rows_call(
+      kernel, rows=rows, block_rows=block_rows, in_specs=specs[:len(inputs)],
+      out_specs=out_specs, out_shape=outputs, input_output_aliases=aliases,
+      compiler_params=compiler_params(tiles.num_warps, 1), interpret=interpret, name=name,
+  )(*inputs)
 
 
 def _column(v):
