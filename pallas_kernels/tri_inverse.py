@@ -30,8 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._common import (compiler_params, dot_f32, launcher, lookup_tiles, pad_axis,
-                                    store_block)
+from pallas_kernels._common import (compiler_params, counted_rows_call, dot_f32, launcher,
+                                    lookup_tiles, pad_axis, store_block)
 
 TILE = 16
 SIZES = (16, 32, 64, 128)
@@ -245,22 +245,22 @@ def tri_inverse_backward_kernel(x_ref, g_ref, da_ref, *, precision):
 def _launch(kernel, inputs, *, out_dtype, tiles: TriInverseTiles, interpret: bool,
             name: str):
   """Runs ``kernel`` on [B, n, n] inputs, TB matrices per program; zero matrices
-  pad B to a multiple of TB and are sliced off."""
+  pad B to a multiple of TB and are sliced off. B is an operand of the launch on a
+  bucketed grid (:func:`counted_rows_call`): one compiled kernel serves every B of a
+  bucket. The padding makes every matrix of a running program real, so the kernel
+  needs no mask."""
   batch, n, _ = inputs[0].shape
   tb = tiles.matrices_per_program
   if n not in SIZES:
     raise ValueError(f"n must be one of {SIZES}, got {n}")
   inputs = [pad_axis(x, 0, tb) for x in inputs]
   spec = pl.BlockSpec((tb, n, n), lambda b: (b, 0, 0))
-  return pl.pallas_call(
-      kernel,
-      grid=(inputs[0].shape[0] // tb,),
-      in_specs=[spec] * len(inputs),
-      out_specs=spec,
+  return counted_rows_call(
+      lambda *refs, valid: kernel(*refs), rows=batch, block_rows=tb,
+      in_specs=[spec] * len(inputs), out_specs=spec,
       out_shape=jax.ShapeDtypeStruct(inputs[0].shape, out_dtype),
       compiler_params=compiler_params(tiles.num_warps, tiles.num_stages),
-      interpret=interpret,
-      name=name,
+      interpret=interpret, name=name,
   )(*inputs)[:batch]
 
 

@@ -6,7 +6,7 @@ whose programs share a bucket lowers to the same kernels (IR, grid, warps); XLA'
 kernel cache then serves a new count from the compiled kernels of an old one.
 These tests lower each op's forward and backward for the GPU on any machine and
 compare. The GEMM kernels (the LM head's in token_logprobs) still depend on the
-row count and are left out.
+row count and are left out; so does attention.
 """
 
 import jax
@@ -54,8 +54,13 @@ def _token_logprobs(rows):
   return jax.grad(lambda h, w, t: jnp.sum(fn(h, w, t) ** 2), argnums=(0, 1)), (h, w, t)
 
 
+def _tri_inverse(rows):
+  a = (jax.ShapeDtypeStruct((rows, 16, 16), jnp.float32),)
+  return jax.grad(_loss(lambda a: jdet.tri_inverse(a, interpret=False))), a
+
+
 CASES = {"rms_norm": _rms_norm, "log_softmax": _softmax, "sinkhorn": _sinkhorn,
-         "token_logprobs": _token_logprobs}
+         "token_logprobs": _token_logprobs, "tri_inverse": _tri_inverse}
 
 
 def _row_kernels(case, rows):
