@@ -15,9 +15,9 @@ never of the row count, so a row meets the same blocks, the same reduction trees
 and the same op sequence in every batch. The row count reaches the kernels as an
 operand, not as a constant, and the grid is bucketed
 (:func:`~pallas_kernels._common.counted_rows_call`): every row count of a bucket
-runs the same compiled kernel. Rows past the count are masked on load and store (every
-block carries the row mask); programs past it return at once. A NaN stays in its
-own row.
+runs the same compiled kernel. Rows past the count are masked on load and store
+(every block carries the row mask); programs past it return at once. A NaN stays
+in its own row.
 
 The streamed token kernels (:func:`token_chunk_update`) fold the columns
 [c0, c0 + C) of a row (C a multiple of W, c0 a multiple of C) into a state that
