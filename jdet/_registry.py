@@ -2,10 +2,10 @@
 
 ``python -m jdet check`` runs each entry's ``check_cases``, ``python -m jdet bench``
 its ``bench_cases`` (``--first-call``: its ``first_call_cases``, the bench cases at
-a warm-up size and three sizes nothing else uses), ``tests/test_properties.py`` its ``sweep_case`` and
-the sharding test (``tests/sharded_check.py``) its ``sharding_case``. Adding an op
-means writing its module (``jdet/<op>.py`` over ``pallas_kernels/<op>.py``) and
-one entry here::
+a warm-up size and three sizes nothing else uses), ``tests/test_properties.py`` its
+``sweep_case`` and the sharding test (``tests/sharded_check.py``) its
+``sharding_case``. Adding an op means writing its module (``jdet/<op>.py`` over
+``pallas_kernels/<op>.py``) and one entry here::
 
     def _my_op_check(full):            # -> list[jdet.check.Case]
       x = random_normal(0, (4096 if full else 16, 512))

@@ -39,8 +39,11 @@ def counted_rows_call(kernel, *, rows: int, block_rows: int, in_specs, out_specs
   so that the compiled kernel is the same for every count of a bucket
   (:func:`bucketed_grid`). ``kernel(*refs, valid=...)`` gets its block's
   [block_rows] row mask and masks its loads and stores with it; programs past the
-  count return at once. ``in_specs`` and ``input_output_aliases`` are those of the
-  inputs; ``params`` go to ``pl.pallas_call``. Returns a function of the inputs."""
+  count return at once. Every block carries the mask, whatever the count: a kernel
+  whose code changed with the count could round differently (interpret mode showed
+  it, XLA:CPU contracting multiply-adds differently in masked and unmasked code).
+  ``in_specs`` and ``input_output_aliases`` are those of the inputs; ``params`` go
+  to ``pl.pallas_call``. Returns a function of the inputs."""
   def counted(count_ref, *refs):
     first = pl.program_id(0) * block_rows
     valid = block_mask(first, block_rows, count_ref[0])
