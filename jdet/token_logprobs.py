@@ -4,8 +4,7 @@ streamed over the vocabulary, each row bitwise on its own.
 Numerics: the vocabulary is cut into fixed chunks of C columns (C a function of V
 only: ``pallas_kernels.softmax.token_chunk_cols``). Per chunk, in increasing
 order, the jdet GEMM computes the float32 logits of every row against
-``weight[:, chunk]`` (a partial last chunk's: the last columns of a full chunk's
-GEMM), and a row kernel folds logits * (1 / temperature) into each row's
+``weight[:, chunk]``, and a row kernel folds logits * (1 / temperature) into each row's
 running (max, sum of exponentials, picked logit). The [T, V] logits never exist:
 the extra memory is O(T * C). The backward recomputes each chunk's logits.
 """
@@ -152,28 +151,15 @@ def _logits(config: _TokenConfig, h, w_chunk):
   return gemm(config.gemm, Layout.NN, h[None], w_chunk[None], out_dtype=jnp.float32)[0]
 
 
-def _over_chunks(config: _TokenConfig, h, w, step, carry):
-  """carry = step(first column, weight[:, chunk], the chunk's logits, carry) for
-  each chunk in increasing order.
-
-  A partial last chunk's logits are the last columns of the GEMM over the last
-  ``chunk`` columns of the weight, so every chunk runs the same compiled GEMM
-  kernel (a GEMM's column does not depend on the others it computes): fewer than
-  ``chunk`` columns are computed twice, and a first call compiles one GEMM kernel
-  instead of two (``benchmarks/results/h100.md``)."""
-  vocab = w.shape[1]
-  full, tail = _chunks(config, vocab)
-
-  def chunk_step(k, carry):
-    w_chunk = lax.dynamic_slice_in_dim(w, k * config.chunk, config.chunk, axis=1)
-    return step(k * config.chunk, w_chunk, _logits(config, h, w_chunk), carry)
-
+def _over_chunks(config: _TokenConfig, w, step, carry):
+  """carry = step(first column, weight[:, chunk], carry) for each chunk in increasing order."""
+  full, tail = _chunks(config, w.shape[1])
   if full:
-    carry = lax.fori_loop(0, full, chunk_step, carry)
+    carry = lax.fori_loop(
+        0, full, lambda k, c: step(k * config.chunk, lax.dynamic_slice_in_dim(
+            w, k * config.chunk, config.chunk, axis=1), c), carry)
   if tail is not None:
-    window = vocab - config.chunk if full else 0
-    logits = _logits(config, h, w[:, window:])[:, tail - window:]
-    carry = step(tail, w[:, tail:], logits, carry)
+    carry = step(tail, w[:, tail:], carry)
   return carry
 
 
@@ -186,14 +172,14 @@ def _token_logprobs(h, w, tokens, config: _TokenConfig):
 def _token_logprobs_forward(h, w, tokens, config):
   rows = h.shape[0]
 
-  def step(first, _, logits, state):
+  def step(first, w_chunk, state):
     return kernels.token_chunk_update(
-        logits, tokens - first, *state, inv_temperature=config.inv_temperature,
+        _logits(config, h, w_chunk), tokens - first, *state, inv_temperature=config.inv_temperature,
         tiles=config.tiles, interpret=config.interpret)
 
   start = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
            jnp.full((rows,), -jnp.inf, jnp.float32))
-  m, s, picked = _over_chunks(config, h, w, step, start)
+  m, s, picked = _over_chunks(config, w, step, start)
   return kernels.token_finalize(m, s, picked, interpret=config.interpret), (h, w, tokens, m, s)
 
 
@@ -202,10 +188,10 @@ def _token_logprobs_backward(config, saved, cotangent):
   rows, d = h.shape
   cotangent = cotangent.astype(jnp.float32)
 
-  def step(first, w_chunk, logits, carry):
+  def step(first, w_chunk, carry):
     dh, dw = carry
     dlogits = kernels.token_chunk_backward(
-        logits, tokens - first, m, s, cotangent,
+        _logits(config, h, w_chunk), tokens - first, m, s, cotangent,
         inv_temperature=config.inv_temperature, out_dtype=h.dtype, tiles=config.tiles,
         interpret=config.interpret)
     # dhidden += dlogits @ w_chunkᵀ (the GEMM's dA, contracting the chunk in 64-wide steps).
@@ -215,7 +201,7 @@ def _token_logprobs_backward(config, saved, cotangent):
     dw_chunk = gemm(config.gemm, Layout.TN, h[None], dlogits[None], out_dtype=w.dtype)[0]
     return dh, lax.dynamic_update_slice_in_dim(dw, dw_chunk, first, axis=1)
 
-  dh, dw = _over_chunks(config, h, w, step, (jnp.zeros((rows, d), jnp.float32), jnp.zeros_like(w)))
+  dh, dw = _over_chunks(config, w, step, (jnp.zeros((rows, d), jnp.float32), jnp.zeros_like(w)))
   return dh.astype(h.dtype), dw, None
 
 

@@ -253,20 +253,25 @@ class _Static:
     return None if self.width == self.head_dim else jnp.arange(self.width) < self.head_dim
 
 
-def _block_step(kb, state, *, q, k_ref, v_ref, base, row_pos, key_limit, st: _Static):
+def _block_step(kb, state, *, q, k_ref, v_ref, base, row_pos, key_limit, masked: bool,
+                st: _Static):
   """One online-softmax step over key block ``kb`` (keys base + kb * block_k ...)
-  of refs whose first key is absolute position ``base``."""
+  of refs whose first key is absolute position ``base``. ``masked=False`` is for
+  blocks every row of the tile sees whole: it skips the masks, which would keep
+  every logit anyway, so the bits are the same."""
   bk = st.tiles.block_k
   m, l, acc = state
   local = pl.multiple_of(kb * bk, bk)
   keys = base + local + jnp.arange(bk)
-  key_ok = keys < key_limit
+  key_ok = keys < key_limit if masked else None
   k = load_block(k_ref.at[pl.ds(local, bk), :], rows=key_ok, cols=st.head_cols)
   v = load_block(v_ref.at[pl.ds(local, bk), :], rows=key_ok, cols=st.head_cols)
-  mask = key_ok[None, :]
-  if st.causal:
-    mask = mask & (keys[None, :] <= row_pos[:, None])
-  s = jnp.where(mask, _logits(q, k, st), -jnp.inf)
+  s = _logits(q, k, st)
+  if masked:
+    mask = key_ok[None, :]
+    if st.causal:
+      mask = mask & (keys[None, :] <= row_pos[:, None])
+    s = jnp.where(mask, s, -jnp.inf)
   m_new = jnp.maximum(m, jnp.max(s, axis=1))
   shift = _finite_or_zero(m_new)
   alpha = jnp.exp2(m - shift)
@@ -279,19 +284,20 @@ def _block_step(kb, state, *, q, k_ref, v_ref, base, row_pos, key_limit, st: _St
           multiply_add(acc, alpha[:, None], pv, fused=st.native))
 
 
-def _chunk_state(q, k_ref, v_ref, *, base, first_block, end_block, row_pos, key_limit,
-                 st: _Static):
+def _chunk_state(q, k_ref, v_ref, *, base, first_block, end_block, clear_end, row_pos,
+                 key_limit, st: _Static):
   """The state of one chunk: key blocks [first_block, end_block) from empty, in
-  order. Every block is masked, also those every row sees whole: one loop body
-  compiles faster than a masked and an unmasked one, and ran at the same speed
-  on the H100 (``benchmarks/results/h100.md``)."""
+  order; those below ``clear_end`` are seen whole by every row (no masks)."""
   step = functools.partial(_block_step, q=q, k_ref=k_ref, v_ref=v_ref, base=base,
                            row_pos=row_pos, key_limit=key_limit, st=st)
-  return lax.fori_loop(first_block, end_block, step, _empty_state(st.tiles.block_q, st.width))
+  middle = jnp.clip(clear_end, first_block, end_block)
+  state = lax.fori_loop(first_block, middle, functools.partial(step, masked=False),
+                        _empty_state(st.tiles.block_q, st.width))
+  return lax.fori_loop(middle, end_block, functools.partial(step, masked=True), state)
 
 
 def _tile_setup(lens_ref, offs_ref, q_ref, row_tile, st: _Static):
-  """The tile's query block, row positions/mask, valid keys and the keys it may see."""
+  """The tile's query block, row positions/mask and its key bounds."""
   bq = st.tiles.block_q
   row_start = row_tile * bq
   offset = offs_ref[0]
@@ -300,9 +306,13 @@ def _tile_setup(lens_ref, offs_ref, q_ref, row_tile, st: _Static):
   q = load_block(q_ref, rows=rows_ok, cols=st.head_cols)
   row_pos = _row_positions(row_start, bq, st.group, offset)
   bound = key_limit
+  clear = key_limit
   if st.causal:
     bound = _causal_limit(key_limit, offset, jnp.minimum(row_start + bq, st.rows) - 1, st.group)
-  return q, rows_ok, row_pos, key_limit, bound
+    clear = _causal_limit(key_limit, offset, row_start, st.group)
+  # Key blocks below clear_end hold only keys every row of the tile sees.
+  clear_end = clear // st.tiles.block_k
+  return q, rows_ok, row_pos, key_limit, bound, clear_end
 
 
 def attention_forward_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
@@ -314,7 +324,7 @@ def attention_forward_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, o_ref, lse
   sequence, rows >= S never loaded); lse_ref: [block_q] float32 (base 2).
   """
   tiles = st.tiles
-  q, rows_ok, row_pos, key_limit, bound = _tile_setup(
+  q, rows_ok, row_pos, key_limit, bound, clear_end = _tile_setup(
       lens_ref, offs_ref, q_ref, pl.program_id(0), st)
   blocks_per_chunk = tiles.chunk_k // tiles.block_k
   num_blocks = (bound + tiles.block_k - 1) // tiles.block_k
@@ -323,7 +333,7 @@ def attention_forward_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, o_ref, lse
     first = c * blocks_per_chunk
     part = _chunk_state(q, k_ref, v_ref, base=0, first_block=first,
                         end_block=jnp.minimum(first + blocks_per_chunk, num_blocks),
-                        row_pos=row_pos, key_limit=key_limit, st=st)
+                        clear_end=clear_end, row_pos=row_pos, key_limit=key_limit, st=st)
     return _merge(total, part, st.native)
 
   num_chunks = (bound + tiles.chunk_k - 1) // tiles.chunk_k
@@ -355,12 +365,13 @@ def attention_split_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, m_ref, l_ref
   """
   tiles = st.tiles
   c = pl.program_id(0) // row_tiles
-  q, rows_ok, row_pos, key_limit, bound = _tile_setup(
+  q, rows_ok, row_pos, key_limit, bound, clear_end = _tile_setup(
       lens_ref, offs_ref, q_ref, pl.program_id(0) % row_tiles, st)
   base = c * tiles.chunk_k
   end = jnp.clip((bound - base + tiles.block_k - 1) // tiles.block_k, 0,
                  tiles.chunk_k // tiles.block_k)
   m, l, acc = _chunk_state(q, k_ref, v_ref, base=base, first_block=0, end_block=end,
+                           clear_end=clear_end - c * (tiles.chunk_k // tiles.block_k),
                            row_pos=row_pos, key_limit=key_limit, st=st)
   _store_rows(m_ref, m, rows_ok)
   _store_rows(l_ref, l, rows_ok)
@@ -409,9 +420,13 @@ def attention_delta_kernel(o_ref, do_ref, delta_ref, *, st: _Static):
 
 
 def _probabilities(q, k, lse, mask, st: _Static):
-  """The forward's probabilities, recomputed from the base-2 log-sum-exp; 0 where
-  ``mask`` is False."""
-  return jnp.exp2(jnp.where(mask, _logits(q, k, st), -jnp.inf) - lse[:, None])
+  """The forward's probabilities, recomputed from the base-2 log-sum-exp.
+  ``mask=None`` is for blocks every row sees whole (rows past the end have
+  lse = +inf, so p = 0 there)."""
+  s = _logits(q, k, st)
+  if mask is not None:
+    s = jnp.where(mask, s, -jnp.inf)
+  return jnp.exp2(s - lse[:, None])
 
 
 def _backward_mask(keys, key_ok, rows_ok, row_pos, st: _Static):
@@ -447,7 +462,7 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
   # A key block past the valid keys has no work: start at the end.
   first = jnp.maximum(first, _int_select(key_start < key_limit, 0, num_row_blocks))
 
-  def step(rb, carry):
+  def step(rb, carry, masked):
     dk, dv = carry
     row_start = pl.multiple_of(rb * bq, bq)
     rows = pl.ds(row_start, bq)
@@ -457,7 +472,8 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
     lse = _load_rows(lse_ref.at[rows], rows_ok, jnp.inf)
     delta = _load_rows(delta_ref.at[rows], rows_ok, 0.0)
     row_pos = _row_positions(row_start, bq, st.group, offset)
-    p = _probabilities(q, k, lse, _backward_mask(keys, key_ok, rows_ok, row_pos, st), st)
+    mask = _backward_mask(keys, key_ok, rows_ok, row_pos, st) if masked else None
+    p = _probabilities(q, k, lse, mask, st)
     dv = dv + uncontracted(dot_f32(p.astype(do.dtype), do, trans_a=True, precision=st.precision),
                            native=st.native)
     dp = dot_f32(do, v, trans_b=True, precision=st.precision)
@@ -466,8 +482,16 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                            native=st.native)
     return dk, dv
 
+  # Row blocks from clear_start on see every key of this block (all valid).
+  clear_start = first
+  if st.causal:
+    last_key_rows = jnp.maximum((key_start + bk - 1 - offset) * st.group, 0)
+    clear_start = jnp.clip((last_key_rows + bq - 1) // bq, first, num_row_blocks)
+  clear_start = jnp.maximum(clear_start, _int_select(key_start + bk <= key_limit, 0,
+                                                     num_row_blocks))
   zeros = jnp.zeros((bk, st.width), jnp.float32)
-  dk, dv = lax.fori_loop(first, num_row_blocks, step, (zeros, zeros))
+  carry = lax.fori_loop(first, clear_start, functools.partial(step, masked=True), (zeros, zeros))
+  dk, dv = lax.fori_loop(clear_start, num_row_blocks, functools.partial(step, masked=False), carry)
   keys_in = block_mask(key_start, bk, st.seq) if st.seq % bk else None
   store_block(dk_ref, (dk * st.scale).astype(dk_ref.dtype), rows=keys_in, cols=st.head_cols)
   store_block(dv_ref, dv.astype(dv_ref.dtype), rows=keys_in, cols=st.head_cols)
@@ -495,20 +519,27 @@ def attention_dq_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref
   if st.causal:
     bound = _causal_limit(key_limit, offset, jnp.minimum(row_start + bq, st.rows) - 1, st.group)
 
-  def step(kb, dq):
+  def step(kb, dq, masked):
     local = pl.multiple_of(kb * bk, bk)
     keys = local + jnp.arange(bk)
-    key_ok = keys < key_limit
+    key_ok = keys < key_limit if masked else None
     k = load_block(k_ref.at[pl.ds(local, bk), :], rows=key_ok, cols=st.head_cols)
     v = load_block(v_ref.at[pl.ds(local, bk), :], rows=key_ok, cols=st.head_cols)
-    p = _probabilities(q, k, lse, _backward_mask(keys, key_ok, rows_ok, row_pos, st), st)
+    mask = _backward_mask(keys, key_ok, rows_ok, row_pos, st) if masked else None
+    p = _probabilities(q, k, lse, mask, st)
     dp = dot_f32(do, v, trans_b=True, precision=st.precision)
     ds = p * (dp - delta[:, None])
     return dq + uncontracted(dot_f32(ds.astype(k.dtype), k, precision=st.precision),
                              native=st.native)
 
+  clear = key_limit
+  if st.causal:
+    clear = _causal_limit(key_limit, offset, row_start, st.group)
   num_blocks = (bound + bk - 1) // bk
-  dq = lax.fori_loop(0, num_blocks, step, jnp.zeros((bq, st.width), jnp.float32))
+  middle = jnp.minimum(clear // bk, num_blocks)  # key blocks below it: seen whole
+  dq = lax.fori_loop(0, middle, functools.partial(step, masked=False),
+                     jnp.zeros((bq, st.width), jnp.float32))
+  dq = lax.fori_loop(middle, num_blocks, functools.partial(step, masked=True), dq)
   store_block(dq_ref, (dq * st.scale).astype(dq_ref.dtype), rows=rows_ok, cols=st.head_cols)
 
 
