@@ -14,12 +14,12 @@ from jdet.bench import on_gpu
 pytestmark = pytest.mark.skipif(on_gpu(), reason="CPU-sized trials; on a GPU run python -m jdet")
 
 
-def test_a_few_trials_of_every_op_pass(capsys):
+def test_a_trial_of_every_op_passes(capsys):
   ops = [arg for op in fuzz.GENERATORS for arg in ("--op", op)]
-  assert cli.main(["check", "--trials", "2", "--seed", "1", *ops]) == 0
+  assert cli.main(["check", "--trials", "1", "--seed", "1", *ops]) == 0
   out = capsys.readouterr().out
   for op in fuzz.GENERATORS:
-    assert f"{op}: 2 of 2 trials passed" in out
+    assert f"{op}: 1 of 1 trials passed" in out
   assert "ok: 0 failed trials" in out
 
 
