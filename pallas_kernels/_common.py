@@ -32,6 +32,12 @@ def bucketed_grid(programs: int) -> int:
   return cdiv(programs, step) * step
 
 
+def count_operand(count: int):
+  """``count`` as a kernel operand rather than a constant: its [1] int32 array and
+  BlockSpec (any grid). The kernel reads it as ``ref[0]``."""
+  return pl.BlockSpec((1,), lambda *_: (0,)), jnp.full((1,), count, jnp.int32)
+
+
 def counted_rows_call(kernel, *, rows: int, block_rows: int, in_specs, out_specs, out_shape,
                       input_output_aliases=None, **params):
   """``pl.pallas_call`` of ``kernel`` over blocks of ``block_rows`` rows (grid axis
@@ -52,15 +58,16 @@ def counted_rows_call(kernel, *, rows: int, block_rows: int, in_specs, out_specs
     def _():
       kernel(*refs, valid=valid)
 
+  count_spec, count = count_operand(rows)
   call = pl.pallas_call(
       counted,
       grid=(bucketed_grid(cdiv(rows, block_rows)),),
-      in_specs=[pl.BlockSpec((1,), lambda i: (0,)), *in_specs],
+      in_specs=[count_spec, *in_specs],
       out_specs=out_specs,
       out_shape=out_shape,
       input_output_aliases={i + 1: o for i, o in (input_output_aliases or {}).items()},
       **params)
-  return lambda *inputs: call(jnp.full((1,), rows, jnp.int32), *inputs)
+  return lambda *inputs: call(count, *inputs)
 
 
 def pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -311,7 +318,10 @@ def multiply(a, b, *, native: bool):
 
 __all__ = [
     "block_mask",
+    "bucketed_grid",
     "clear_interpret_executables",
+    "count_operand",
+    "counted_rows_call",
     "cdiv",
     "compiler_params",
     "divide",

@@ -50,8 +50,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._common import (block_mask, bucketed_grid, cdiv, compiler_params,
-                                    counted_rows_call, launcher, load_block, product,
-                                    store_block)
+                                    count_operand, counted_rows_call, launcher, load_block,
+                                    product, store_block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -387,15 +387,15 @@ def rms_norm_backward(x, weight, rstd, g, g_sum=None, *, tiles: RmsNormTiles,
                              native=not interpret)
   dx, partials = _row_call(kernel, inputs, outputs, tiles=tiles, rows=tiles.chunk_rows,
                            interpret=interpret, name="jdet_rms_norm_dx")
+  count_spec, count = count_operand(chunks)
   dw = pl.pallas_call(
       functools.partial(rms_norm_dweight_sum_kernel, h=h, row_step=step),
       grid=(cdiv(h, bc),),
-      in_specs=[pl.BlockSpec((1,), lambda j: (0,)),
-                pl.BlockSpec((partial_rows, bc), lambda j: (0, j))],
+      in_specs=[count_spec, pl.BlockSpec((partial_rows, bc), lambda j: (0, j))],
       out_specs=pl.BlockSpec((bc,), lambda j: (j,)),
       out_shape=jax.ShapeDtypeStruct((h,), weight.dtype),
       compiler_params=compiler_params(sum_tiles.num_warps, sum_tiles.num_stages),
       interpret=interpret,
       name="jdet_rms_norm_dweight",
-  )(jnp.full((1,), chunks, jnp.int32), partials)
+  )(count, partials)
   return dx, dw
