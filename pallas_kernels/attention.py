@@ -31,8 +31,14 @@ the row sits in its tile):
     loop bounds (causal skipping, the valid length, the tile's last row) may
     differ between calls without changing a bit.
   * Tile shapes, dtypes and warps come from :func:`attention_tiles`: a function
-    of the head size, dtype and device only. Triton's MMA layouts give every row
-    of a fixed-shape tile the same arithmetic, wherever it sits in the tile.
+    of the head size, dtype and device only, except the forward's row tile,
+    which shrinks for calls with few rows (:meth:`AttentionTiles.for_rows`).
+    A row's arithmetic is the same in every row tile, wherever it sits in it:
+    its max is exact, its products are the same instructions, and each dot
+    contracts in the same k16 steps whether Triton picks wgmma (64-row
+    warpgroups) or mma for the tile, as in the GEMM, where every tile gives the
+    same bits. The GPU test checks it: decode steps (a 16-row tile) against a
+    128-row prefill, bf16 and float32.
   * On the GPU every float32 product that meets an add carries an explicit
     rounding mode: the logit scaling and the merge's rescaling products are
     ``mul.rn.f32``, the state updates (``l * alpha + l_block``,
@@ -44,9 +50,9 @@ the row sits in its tile):
     every kernel that runs it. In interpret mode the products go through
     ``uncontracted`` so XLA:CPU cannot contract them differently in different
     programs.
-  * The prefill, split and combine kernels launch with the same warps and
-    stages, and the prefill and split kernels issue the same dots from the
-    same tiles (``[block_q, W] x [W, block_k]``, ``[block_q, block_k] x
+  * At a given row count, the prefill, split and combine kernels launch with
+    the same warps and stages, and the prefill and split kernels issue the
+    same dots from the same tiles (``[block_q, W] x [W, block_k]``, ``[block_q, block_k] x
     [block_k, W]`` and ``x [block_k, 16]``), so Triton picks the same MMA
     instruction and layout for both. Float32 dots are IEEE (precision
     HIGHEST, FMAs in increasing k), never TF32.
@@ -85,7 +91,9 @@ MAX_HEAD_DIM = 256
 @dataclasses.dataclass(frozen=True)
 class AttentionTiles:
   """Forward: ``block_q`` packed rows x ``block_k`` keys per step, chunks of
-  ``chunk_k`` keys, Triton warps/stages. Backward: ``bwd_block_q`` rows x
+  ``chunk_k`` keys, Triton warps/stages; calls with fewer rows take a row tile
+  down to ``min_block_q`` (:meth:`for_rows`). The split path's combine kernel
+  merges ``combine_cols`` columns a program. Backward: ``bwd_block_q`` rows x
   ``bwd_block_k`` keys for the dK/dV, dQ and delta kernels."""
   block_q: int
   block_k: int
@@ -96,6 +104,19 @@ class AttentionTiles:
   bwd_block_k: int
   bwd_warps: int
   bwd_stages: int
+  min_block_q: int = 16
+  combine_cols: int = 32
+
+  def for_rows(self, rows: int) -> AttentionTiles:
+    """The forward's tiles for ``rows`` packed rows per (sequence, kv head): the
+    smallest power-of-two row tile from ``min_block_q`` up to ``block_q`` that
+    holds them (with at most 4 warps when smaller than ``block_q``), so that a
+    decode step (G rows) does not compute a 128-row tile. A row's bits do not
+    depend on the row tile (module docstring)."""
+    block_q = min(self.block_q, max(self.min_block_q, pl.next_power_of_2(rows)))
+    if block_q == self.block_q:
+      return self
+    return dataclasses.replace(self, block_q=block_q, num_warps=min(self.num_warps, 4))
 
 
 # GPU tiles, one table per input width: ``(largest padded head size served,
@@ -119,12 +140,16 @@ GPU_TILES_32BIT: tuple[tuple[int, AttentionTiles], ...] = (
 
 # Interpret mode (CPU): small blocks so that tiny test shapes run several row
 # tiles, key blocks and chunks.
-INTERPRET_TILES = AttentionTiles(16, 8, 16, 4, 1, 16, 8, 4, 1)
+INTERPRET_TILES = AttentionTiles(16, 8, 16, 4, 1, 16, 8, 4, 1, min_block_q=8, combine_cols=8)
 
 # The split (decode) path runs when one row tile holds all of a (sequence, kv
 # head)'s rows and the prefill grid would give fewer programs than this (two
 # waves of the H100's 132 SMs). Both paths give the same bits.
 SPLIT_BELOW_PROGRAMS = 264
+# Chunk states the combine kernel loads at once, while it merges the ones before
+# them in order (loading and merging one at a time, a 32,768-key decode step's
+# combine took 26 us, its split kernel 50 us).
+COMBINE_UNROLL = 8
 
 
 def padded_head_dim(head_dim: int) -> int:
@@ -379,31 +404,61 @@ def attention_split_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, m_ref, l_ref
 
 
 def attention_combine_kernel(lens_ref, offs_ref, m_ref, l_ref, acc_ref, o_ref, lse_ref, *,
-                             st: _Static):
-  """Merges the split kernel's chunk states in increasing chunk order.
+                             st: _Static, col_tiles: int):
+  """Merges the split kernel's chunk states in increasing chunk order, for one
+  tile of packed rows and ``combine_cols`` of their columns (the merge is
+  elementwise: any tiling gives the same bits; each column tile recomputes the
+  rows' m and l, and the first stores the log-sum-exp).
 
-  m_ref, l_ref: [C, block_q]; acc_ref: [C, block_q, W]; o_ref: [block_q, W];
-  lse_ref: [block_q]. Chunks past the tile's key bound are empty and skipped.
+  m_ref, l_ref: [C, block_q]; acc_ref: [C, block_q, combine_cols]; o_ref:
+  [block_q, combine_cols]; lse_ref: [block_q]. Chunks past the tile's key bound
+  are empty: skipped, or merged as empty states (an exact no-op) where they
+  fill a group of COMBINE_UNROLL chunks. A group's loads are issued together,
+  while the group before it merges.
   """
   tiles = st.tiles
-  bq = tiles.block_q
-  row_start = pl.program_id(0) * bq
+  bq, cols = tiles.block_q, acc_ref.shape[-1]
+  row_tile, col_tile = pl.program_id(0) // col_tiles, pl.program_id(0) % col_tiles
+  row_start = row_tile * bq
   offset = offs_ref[0]
   rows_ok = block_mask(row_start, bq, st.rows) if st.rows % bq else None
+  head_cols = None if st.width == st.head_dim else block_mask(col_tile * cols, cols, st.head_dim)
   bound = _key_limit(lens_ref[0], st.seq)
   if st.causal:
     bound = _causal_limit(bound, offset, jnp.minimum(row_start + bq, st.rows) - 1, st.group)
+  chunks = m_ref.shape[0]
 
-  def chunk(c, total):
-    part = (_load_rows(m_ref.at[c], rows_ok, -jnp.inf), _load_rows(l_ref.at[c], rows_ok, 0.0),
-            load_block(acc_ref.at[c], rows=rows_ok))
-    return _merge(total, part, st.native)
+  def load_group(g):
+    """The states of chunks g * COMBINE_UNROLL ...; past the last chunk, the
+    empty state (the index clamped, so the address stays in the array)."""
+    parts = []
+    for i in range(COMBINE_UNROLL):
+      c = g * COMBINE_UNROLL + i
+      ok = rows_ok
+      if chunks % COMBINE_UNROLL:
+        in_range = jnp.full((bq,), c < chunks)
+        ok = in_range if ok is None else ok & in_range
+      c = jnp.minimum(c, chunks - 1)
+      parts.append((_load_rows(m_ref.at[c], ok, -jnp.inf), _load_rows(l_ref.at[c], ok, 0.0),
+                    load_block(acc_ref.at[c], rows=ok)))
+    return parts
+
+  def chunk_group(g, carry):
+    total, parts = carry
+    upcoming = load_group(g + 1)  # in flight while this group merges
+    for part in parts:
+      total = _merge(total, part, st.native)
+    return total, upcoming
 
   num_chunks = (bound + tiles.chunk_k - 1) // tiles.chunk_k
-  total = lax.fori_loop(0, num_chunks, chunk, _empty_state(bq, st.width))
+  total, _ = lax.fori_loop(0, (num_chunks + COMBINE_UNROLL - 1) // COMBINE_UNROLL, chunk_group,
+                           (_empty_state(bq, cols), load_group(0)))
   out, lse = _finalize(total, st.native)
-  store_block(o_ref, out.astype(o_ref.dtype), rows=rows_ok, cols=st.head_cols)
-  _store_rows(lse_ref, lse, rows_ok)
+  store_block(o_ref, out.astype(o_ref.dtype), rows=rows_ok, cols=head_cols)
+
+  @pl.when(col_tile == 0)
+  def _():
+    _store_rows(lse_ref, lse, rows_ok)
 
 
 # ---------------------------------------------------------------------------
@@ -582,8 +637,9 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
   dtype, base-2 log-sum-exp [B, K, T * N // K] float32, +inf for a row without
   a valid key).
   """
-  b, t, _, h = q.shape
+  b, t, n, h = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
+  tiles = tiles.for_rows(t * (n // kv_heads))
   st = _static(q, k, scale=scale, causal=causal, tiles=tiles, interpret=interpret)
   qp = pack_rows(q, kv_heads)
   rows, width, bq = st.rows, st.width, tiles.block_q
@@ -631,15 +687,20 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
                  jax.ShapeDtypeStruct((b, kv_heads, chunks, rows, width), jnp.float32)),
       compiler_params=params, interpret=interpret, name="jdet_attention_split",
   )(*scalars, qp, k, v)
+  cols = min(tiles.combine_cols, width)
+  col_tiles = cdiv(h, cols)
+  state_spec = pl.BlockSpec((None, None, chunks, bq),
+                            lambda p, bi, hi: (bi, hi, 0, p // col_tiles))
   op, lse = pl.pallas_call(
-      functools.partial(attention_combine_kernel, st=st),
-      grid=(row_tiles, b, kv_heads),
-      in_specs=[_scalar_spec(), _scalar_spec(),
-                pl.BlockSpec((None, None, chunks, bq), lambda i, bi, hi: (bi, hi, 0, i)),
-                pl.BlockSpec((None, None, chunks, bq), lambda i, bi, hi: (bi, hi, 0, i)),
-                pl.BlockSpec((None, None, chunks, bq, width),
-                             lambda i, bi, hi: (bi, hi, 0, i, 0))],
-      out_specs=out_specs, out_shape=out_shapes, compiler_params=params,
+      functools.partial(attention_combine_kernel, st=st, col_tiles=col_tiles),
+      grid=(row_tiles * col_tiles, b, kv_heads),
+      in_specs=[_scalar_spec(), _scalar_spec(), state_spec, state_spec,
+                pl.BlockSpec((None, None, chunks, bq, cols),
+                             lambda p, bi, hi: (bi, hi, 0, p // col_tiles, p % col_tiles))],
+      out_specs=(pl.BlockSpec((None, None, bq, cols),
+                              lambda p, bi, hi: (bi, hi, p // col_tiles, p % col_tiles)),
+                 pl.BlockSpec((None, None, bq), lambda p, bi, hi: (bi, hi, p // col_tiles))),
+      out_shape=out_shapes, compiler_params=params,
       interpret=interpret, name="jdet_attention_combine",
   )(*scalars, m, l, acc)
   return unpack_rows(op, t), lse

@@ -2,10 +2,12 @@
 and padding invariance, accuracy, gradients, errors, and the cuda lowering.
 
 On CPU the kernels run in interpret mode with the interpret tiles (16 query rows,
-8-key blocks, 16-key chunks), so the tiny shapes below run several row tiles,
-key blocks and chunks; the ``gpu`` test repeats the core property at H = 128.
+8 for calls of at most 8 rows; 8-key blocks, 16-key chunks), so the tiny shapes
+below run several row tiles, key blocks and chunks, and decode steps a smaller
+row tile than the prefill; the ``gpu`` test repeats the core property at H = 128.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -110,6 +112,20 @@ def test_split_and_prefill_paths_agree(cache, prefill):
   assert_bitwise_equal(_valid_rows(got), want, what="whole prompt, split path")
   decoded = _decode(q, k, v, lengths, functools.partial(attend_path, split=False))
   assert_bitwise_equal(_valid_rows(decoded), want, what="decode, prefill path")
+
+
+@pytest.mark.parametrize("where", ["here", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_split_path_with_a_partial_column_tile(where):
+  """The combine kernel's 32-column tiles end mid-head: H = 48 (interpret mode,
+  padded to 64 columns) or 80 (GPU, padded to 128)."""
+  head_dim = 80 if on_gpu() else 48
+  q, k, v, lengths = _cache(3, jnp.float32, head_dim=head_dim)
+  tiles = kernels.attention_tiles(head_dim, q.dtype, interpret=not on_gpu())
+  tiles = dataclasses.replace(tiles, combine_cols=32)
+  outs = [kernels.attention_forward(q[:, :3], k, v, lengths, _zeros() + 5, scale=0.2, causal=True,
+                                    tiles=tiles, interpret=not on_gpu(), split=split)[0]
+          for split in (False, True)]
+  assert_bitwise_equal(outs[1], outs[0], what=f"split path, H = {head_dim}")
 
 
 def test_batch_position_and_padding_invariance(cache, prefill):
@@ -274,6 +290,18 @@ def test_tile_rule_ignores_rows():
       assert min(tiles.block_q, tiles.block_k, tiles.bwd_block_q, tiles.bwd_block_k) >= 16
 
 
+def test_few_rows_take_a_smaller_row_tile():
+  for dtype in (jnp.bfloat16, jnp.float32):
+    tiles = kernels.attention_tiles(128, dtype, interpret=False)
+    for rows in (1, 4, 16, 17, 60, 64, 65, tiles.block_q, 4 * tiles.block_q):
+      got = tiles.for_rows(rows)
+      assert got.min_block_q <= got.block_q <= tiles.block_q
+      assert got.block_q >= min(rows, tiles.block_q) and (got.block_q // 2 < rows
+                                                           or got.block_q == got.min_block_q)
+      assert got.num_warps <= tiles.num_warps
+      assert dataclasses.replace(got, block_q=tiles.block_q, num_warps=tiles.num_warps) == tiles
+
+
 def _cuda_lowering_available():
   try:
     jax.jit(lambda x: x).trace(jnp.zeros(1)).lower(lowering_platforms=("cuda",))
@@ -308,8 +336,8 @@ def test_gpu_prefill_decode_chunked_split(dtype):
   seq, batch = 1024, 2
   rng = np.random.default_rng(11)
   q = random_normal(rng, (batch, seq, 32, 128), dtype)
-  k = random_normal(rng, (batch, seq + 3000, 8, 128), dtype)
-  v = random_normal(rng, (batch, seq + 3000, 8, 128), dtype)
+  k = random_normal(rng, (batch, seq + 3600, 8, 128), dtype)
+  v = random_normal(rng, (batch, seq + 3600, 8, 128), dtype)
   lengths = jnp.full((batch,), seq, jnp.int32)
   whole = np.asarray(attend(q, k, v, lengths, _zeros(batch)))
   ref = jdet.dot_product_attention_reference(q, k[:, :seq], v[:, :seq], is_causal=True)
