@@ -38,7 +38,8 @@ the row sits in its tile):
     contracts in the same k16 steps whether Triton picks wgmma (64-row
     warpgroups) or mma for the tile, as in the GEMM, where every tile gives the
     same bits. The GPU test checks it: decode steps (a 16-row tile) against a
-    128-row prefill, bf16 and float32.
+    64-row prefill (wgmma), bf16 and float32; bf16's 16 against 128 rows (two
+    warpgroups, the tile before) passed too.
   * On the GPU every float32 product that meets an add carries an explicit
     rounding mode: the logit scaling and the merge's rescaling products are
     ``mul.rn.f32``, the state updates (``l * alpha + l_block``,
@@ -120,17 +121,18 @@ class AttentionTiles:
 
 
 # GPU tiles, one table per input width: ``(largest padded head size served,
-# tiles)`` pairs read by ``lookup_tiles``. Not measured yet (written without
-# device access); the shapes follow the Triton flash-attention tutorial and
-# jax's Pallas attention for the H100: 128-row query tiles with 64-key steps
-# for 16-bit inputs (two warpgroups of 64 rows with 8 warps), smaller tiles
-# where float32 or a 256-wide head would exhaust registers and shared memory.
-# chunk_k = 512 gives a 32,768-key decode 64 chunks per (sequence, kv head).
-# Whatever the entries, a row's bits depend on them and on nothing else:
-# changing an entry changes results, never invariance.
+# tiles)`` pairs read by ``lookup_tiles``. The 16-bit H = 128 entry is the best
+# of the H100 sweeps in benchmarks/results/h100.md (seventeenth and eighteenth
+# sessions: a 64-row forward tile with 4 warps and 2 stages beat 128 rows with 8
+# warps by 2-6% at B = 1 and 4); the others follow the Triton flash-attention
+# tutorial and jax's Pallas attention, smaller where float32 or a 256-wide head
+# would exhaust registers and shared memory. chunk_k = 512 gives a 32,768-key
+# decode 64 chunks per (sequence, kv head) (1024 made the prefill 3% faster and
+# a 4096-key decode of one sequence 20% slower). The row tile, warps and stages
+# do not change a row's bits; block_k and chunk_k do, never invariance.
 GPU_TILES_16BIT: tuple[tuple[int, AttentionTiles], ...] = (
     (64, AttentionTiles(128, 64, 512, 4, 3, 64, 64, 4, 2)),
-    (128, AttentionTiles(128, 64, 512, 8, 3, 64, 64, 4, 2)),
+    (128, AttentionTiles(64, 64, 512, 4, 2, 64, 64, 4, 2)),
     (256, AttentionTiles(64, 32, 512, 4, 2, 32, 32, 4, 1)),
 )
 GPU_TILES_32BIT: tuple[tuple[int, AttentionTiles], ...] = (
