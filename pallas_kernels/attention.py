@@ -52,8 +52,9 @@ the row sits in its tile):
     ``uncontracted`` so XLA:CPU cannot contract them differently in different
     programs.
   * At a given row count, the prefill, split and combine kernels launch with
-    the same warps and stages, and the prefill and split kernels issue the
-    same dots from the same tiles (``[block_q, W] x [W, block_k]``, ``[block_q, block_k] x
+    the same warps (the split path may prefetch more stages, which changes no
+    arithmetic), and the prefill and split kernels issue the same dots from
+    the same tiles (``[block_q, W] x [W, block_k]``, ``[block_q, block_k] x
     [block_k, W]`` and ``x [block_k, 16]``), so Triton picks the same MMA
     instruction and layout for both. Float32 dots are IEEE (precision
     HIGHEST, FMAs in increasing k), never TF32.
@@ -93,8 +94,9 @@ MAX_HEAD_DIM = 256
 class AttentionTiles:
   """Forward: ``block_q`` packed rows x ``block_k`` keys per step, chunks of
   ``chunk_k`` keys, Triton warps/stages; calls with fewer rows take a row tile
-  down to ``min_block_q`` (:meth:`for_rows`). The split path's combine kernel
-  merges ``combine_cols`` columns a program. Backward: ``bwd_block_q`` rows x
+  down to ``min_block_q`` (:meth:`for_rows`). The split path runs with
+  ``split_stages`` (default ``num_stages``), and its combine kernel merges
+  ``combine_cols`` columns a program. Backward: ``bwd_block_q`` rows x
   ``bwd_block_k`` keys for the dK/dV, dQ and delta kernels."""
   block_q: int
   block_k: int
@@ -107,6 +109,7 @@ class AttentionTiles:
   bwd_stages: int
   min_block_q: int = 16
   combine_cols: int = 32
+  split_stages: int | None = None
 
   def for_rows(self, rows: int) -> AttentionTiles:
     """The forward's tiles for ``rows`` packed rows per (sequence, kv head): the
@@ -124,7 +127,8 @@ class AttentionTiles:
 # tiles)`` pairs read by ``lookup_tiles``. The 16-bit H = 128 entry is the best
 # of the H100 sweeps in benchmarks/results/h100.md (seventeenth and eighteenth
 # sessions: a 64-row forward tile with 4 warps and 2 stages beat 128 rows with 8
-# warps by 2-6% at B = 1 and 4); the others follow the Triton flash-attention
+# warps by 2-6% at B = 1 and 4; the split path's decode of one sequence was 20-30%
+# slower with 2 stages than with 3); the others follow the Triton flash-attention
 # tutorial and jax's Pallas attention, smaller where float32 or a 256-wide head
 # would exhaust registers and shared memory. chunk_k = 512 gives a 32,768-key
 # decode 64 chunks per (sequence, kv head) (1024 made the prefill 3% faster and
@@ -132,7 +136,7 @@ class AttentionTiles:
 # do not change a row's bits; block_k and chunk_k do, never invariance.
 GPU_TILES_16BIT: tuple[tuple[int, AttentionTiles], ...] = (
     (64, AttentionTiles(128, 64, 512, 4, 3, 64, 64, 4, 2)),
-    (128, AttentionTiles(64, 64, 512, 4, 2, 64, 64, 4, 2)),
+    (128, AttentionTiles(64, 64, 512, 4, 2, 64, 64, 4, 2, split_stages=3)),
     (256, AttentionTiles(64, 32, 512, 4, 2, 32, 32, 4, 1)),
 )
 GPU_TILES_32BIT: tuple[tuple[int, AttentionTiles], ...] = (
@@ -667,6 +671,7 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
 
   ck = tiles.chunk_k
   chunks = cdiv(s, ck)
+  params = compiler_params(tiles.num_warps, tiles.split_stages or tiles.num_stages)
 
   def part_index(p, bi, hi):
     return bi, hi, p // row_tiles, p % row_tiles
