@@ -13,9 +13,13 @@ One program per SM walks the output tiles (a persistent grid). Each program
 has a TMA producer warpgroup and two consumer warpgroups, each owning half of a
 ``block_m x 2 block_n`` tile. Where the pipeline depth divides the number of
 contraction steps, the producer runs on into the next tile's loads while the
-consumers store the last one. Edge tiles and a partial last contraction step
-need no masking: TMA loads outside the operand read zeros and stores outside
-the result are dropped. Only 16-bit operands (bfloat16, float16).
+consumers store the last one. The last row and column of tiles are shifted
+back to end at the result's edge, overlapping their neighbours (whose rows and
+columns they recompute to the same bits and store again), so no tile reads
+zero-filled rows past an operand: at K = 13824 those made a 304-row GEMM 45%
+slower than a 384-row one with the same tiles. A partial last contraction step
+needs no masking: TMA loads outside the operand read zeros. Only 16-bit
+operands (bfloat16, float16).
 """
 
 from __future__ import annotations
@@ -171,8 +175,9 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
     def _tile_loop(loop_info):
       (t,) = loop_info.index
       i, j = plgpu.planar_snake(t, (num_m, num_n), tiles.strip_dim, tiles.strip_width)
-      m_slice = pl.ds(i * bm, bm)
-      n_slice = pl.ds(j * cta_n, cta_n)
+      # Edge tiles end at the result's edge (module docstring).
+      m_slice = pl.ds(jnp.minimum(i * bm, rows - bm), bm)
+      n_slice = pl.ds(jnp.minimum(j * cta_n, cols - cta_n), cta_n)
       if tiles.split_rows:
         wg_rows, wg_cols = pl.ds(wg * acc_m, acc_m), slice(None)
       else:
