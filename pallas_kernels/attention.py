@@ -435,8 +435,10 @@ def attention_combine_kernel(lens_ref, offs_ref, m_ref, l_ref, acc_ref, o_ref, l
   chunks = m_ref.shape[0]
 
   def load_group(g):
-    """The states of chunks g * COMBINE_UNROLL ...; past the last chunk, the
-    empty state (the index clamped, so the address stays in the array)."""
+    """The states of chunks g * COMBINE_UNROLL ... The index is clamped to the
+    last chunk, so every address lies in the array; a group that overhangs it
+    and is merged gets the empty state there (masked loads). The loads past
+    the last group merged are discarded."""
     parts = []
     for i in range(COMBINE_UNROLL):
       c = g * COMBINE_UNROLL + i
