@@ -128,14 +128,17 @@ def _interpret_for(backend: str, interpret, a, b) -> bool:
   return False
 
 
-def gemm(config: _GemmConfig, layout: Layout, lhs, rhs, *, out_dtype):
+def gemm(config: _GemmConfig, layout: Layout, lhs, rhs, *, out_dtype,
+         contraction_chunk: int | None = None):
   """Plans and runs ``G`` GEMMs; returns [G, rows, cols].
 
   NN: lhs [G, rows, K], rhs [Gb, K, cols]; NT: lhs [G, rows, K], rhs [Gb, cols, K]
   (Gb in {1, G}); TN: lhs [G, R, rows], rhs [G, R, cols], reduced over R.
+  ``contraction_chunk``: K summed in chunks (``matmul_plan.plan``).
   """
   return matmul_plan.run(layout, lhs, rhs, out_dtype=out_dtype, precision=config.precision,
-                         backend=config.backend, interpret=config.interpret)
+                         backend=config.backend, interpret=config.interpret,
+                         contraction_chunk=contraction_chunk)
 
 
 def _batched(a, b, batch, config):

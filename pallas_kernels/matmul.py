@@ -136,31 +136,57 @@ def tile_coords(t, num_m: int, num_n: int, group_m: int):
   return first_m + (t % per_group) % rows_in_group, (t % per_group) // rows_in_group
 
 
-def contraction_loop(k: int, step, acc):
+def contraction_loop(k: int, step, acc, *, chunk: int | None = None):
   """Runs ``acc = step(ks, k_mask, acc)`` over a contraction of ``k`` in
   BLOCK_K steps in increasing order: ``ks`` slices the step, ``k_mask`` is None
   for the full steps and masks the indices past ``k`` in a last, partial one
-  (its own loop of one trip, so that its start stays a traced value)."""
+  (its own loop of one trip, so that its start stays a traced value).
+
+  With ``chunk`` (a multiple of BLOCK_K), each run of ``chunk`` contraction
+  indices is summed by the same steps into an accumulator of its own that
+  starts at zero, and the chunk sums are added to ``acc`` in increasing order:
+  the bits of a loop of GEMMs over the chunks whose float32 results are added
+  one after another (``jdet.token_logprobs``' dhidden). A ``chunk`` that covers
+  the whole contraction gives the unchunked bits (a sum that starts at +0 is
+  never -0, and +0 + x is x)."""
   full_steps = k // BLOCK_K
 
   def body(masked, kk, acc):
     start = pl.multiple_of(kk * BLOCK_K, BLOCK_K)
     return step(pl.ds(start, BLOCK_K), block_mask(start, BLOCK_K, k) if masked else None, acc)
 
-  if full_steps:
-    acc = lax.fori_loop(0, full_steps, functools.partial(body, False), acc)
-  if k % BLOCK_K:
-    acc = lax.fori_loop(full_steps, full_steps + 1, functools.partial(body, True), acc)
+  def steps(first, end, acc, *, last: bool):
+    """Full steps [first, end), then with ``last`` the partial step, if any."""
+    if not (isinstance(end, int) and end == first):
+      acc = lax.fori_loop(first, end, functools.partial(body, False), acc)
+    if last and k % BLOCK_K:
+      acc = lax.fori_loop(full_steps, full_steps + 1, functools.partial(body, True), acc)
+    return acc
+
+  if chunk is None or chunk >= k:
+    return steps(0, full_steps, acc, last=True)
+  if chunk % BLOCK_K:
+    raise ValueError(f"chunk must be a multiple of BLOCK_K = {BLOCK_K}, got {chunk}")
+  per_chunk = chunk // BLOCK_K
+  full_chunks = k // chunk
+
+  def add_chunk(c, total):
+    return total + steps(c * per_chunk, (c + 1) * per_chunk, jnp.zeros_like(total), last=False)
+
+  acc = lax.fori_loop(0, full_chunks, add_chunk, acc)
+  if k % chunk:
+    acc = acc + steps(full_chunks * per_chunk, full_steps, jnp.zeros_like(acc), last=True)
   return acc
 
 
 def matmul_kernel(a_ref, b_ref, o_ref, *, m: int, n: int, group_m: int,
-                  transpose_b: bool, precision):
+                  transpose_b: bool, precision, contraction_chunk: int | None = None):
   """One [block_m, block_n] tile of ``A @ B`` (or ``A @ Bᵀ``).
 
   a_ref: [block_m, K]; b_ref: [K, block_n] ([block_n, K] if transpose_b);
   o_ref: [block_m, block_n]. Rows >= m and columns >= n of the edge tiles and
   the contraction past K in the last step are masked (loaded as zeros).
+  ``contraction_chunk``: the contraction in chunks (:func:`contraction_loop`).
   """
   block_m, block_n = o_ref.shape
   i, j = tile_coords(pl.program_id(0), cdiv(m, block_m), cdiv(n, block_n), group_m)
@@ -175,7 +201,8 @@ def matmul_kernel(a_ref, b_ref, o_ref, *, m: int, n: int, group_m: int,
       b = load_block(b_ref.at[ks, :], rows=k_mask, cols=cols)
     return acc + dot_f32(a, b, trans_b=transpose_b, precision=precision)
 
-  acc = contraction_loop(a_ref.shape[-1], step, jnp.zeros((block_m, block_n), jnp.float32))
+  acc = contraction_loop(a_ref.shape[-1], step, jnp.zeros((block_m, block_n), jnp.float32),
+                         chunk=contraction_chunk)
   store_block(o_ref, acc.astype(o_ref.dtype), rows=rows, cols=cols)
 
 
@@ -200,11 +227,13 @@ def matmul_at_b_kernel(a_ref, d_ref, o_ref, *, k: int, n: int, precision):
 
 @launcher
 def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles: MatmulTiles,
-           interpret: bool):
+           interpret: bool, contraction_chunk: int | None = None):
   """Launches :func:`matmul_kernel` over a batch of problems.
 
   a: [G, M, K]; b: [Gb, K, N] (or [Gb, N, K] if transpose_b) with Gb in {1, G}
   (Gb = 1 shares b across the batch). Returns [G, M, N] in ``out_dtype``.
+  ``contraction_chunk`` (a multiple of BLOCK_K, or None): sum K in chunks
+  added in order (:func:`contraction_loop`).
   """
   g, m, k = a.shape
   n = b.shape[1] if transpose_b else b.shape[2]
@@ -226,7 +255,8 @@ def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles: MatmulTiles,
 
   b_block = (None, bn, k) if transpose_b else (None, k, bn)
   kernel = functools.partial(matmul_kernel, m=m, n=n, group_m=tiles.group_m,
-                             transpose_b=transpose_b, precision=precision)
+                             transpose_b=transpose_b, precision=precision,
+                             contraction_chunk=contraction_chunk)
   return pl.pallas_call(
       kernel,
       grid=(num_m * num_n, g),

@@ -15,8 +15,9 @@ may choose by any size, the token count included. It chooses speed, never bits:
   count is not a multiple of 8 (TMA's row tile) the launcher copies the
   token-sized operands padded to 8 rows.
 * ``Kernel.PALLAS_TRITON`` (:mod:`pallas_kernels.matmul`): the Pallas Triton
-  lowering, masked edges, no copies; every other GEMM, and every GEMM in
-  interpret mode (CPU) with one fixed tile.
+  lowering, masked edges, no copies; every other GEMM, every chunked
+  contraction (``plan``'s ``contraction_chunk``), and every GEMM in interpret
+  mode (CPU) with one fixed tile.
 * ``Kernel.JAX_TRITON`` (:mod:`pallas_kernels.jax_triton_matmul`): the same
   GEMM written in Triton and launched by jax-triton; only for
   ``backend="triton"``, with the Pallas Triton tiles.
@@ -41,7 +42,7 @@ import jax.numpy as jnp
 from pallas_kernels import hopper_matmul as mosaic
 from pallas_kernels import matmul as pallas_triton
 from pallas_kernels._common import cdiv
-from pallas_kernels.matmul import Layout, MatmulTiles
+from pallas_kernels.matmul import BLOCK_K, Layout, MatmulTiles
 
 
 class Kernel(enum.Enum):
@@ -74,26 +75,42 @@ class Device:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """A kernel and its tiles (:class:`~pallas_kernels.matmul.MatmulTiles` for the
-  Triton kernels, :class:`~pallas_kernels.hopper_matmul.HopperTiles` for Mosaic GPU)."""
+  Triton kernels, :class:`~pallas_kernels.hopper_matmul.HopperTiles` for Mosaic GPU),
+  and the chunks of a chunked contraction (Pallas Triton only)."""
   kernel: Kernel
   tiles: MatmulTiles | mosaic.HopperTiles
   interpret: bool = False
+  contraction_chunk: int | None = None
 
 
 def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_dtype,
          groups: int = 1, backend: str = "pallas", interpret: bool = False,
-         device: Device | None = None) -> Plan:
+         device: Device | None = None, contraction_chunk: int | None = None) -> Plan:
   """The kernel and tiles for ``groups`` GEMMs of a [rows, cols] result over
   ``contraction`` in ``layout``, with ``dtype`` operands and an ``out_dtype``
   result, on ``device`` (default: the first jax device). A pure function of its
-  arguments."""
+  arguments.
+
+  ``contraction_chunk`` (NN or NT, the Pallas Triton kernel): the contraction
+  summed in chunks of that many indices, each from zero, the chunk sums added
+  in order (``pallas_kernels.matmul.contraction_loop``): the bits of a loop of
+  GEMMs over the chunks whose float32 results are added one after another.
+  """
   dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype)
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if contraction_chunk is not None and (layout is Layout.TN or backend != "pallas"
+                                        or contraction_chunk % BLOCK_K):
+    raise ValueError(f"contraction_chunk needs layout NN or NT, backend 'pallas' and a "
+                     f"multiple of {BLOCK_K}; got {layout.name}, {backend!r}, "
+                     f"{contraction_chunk}")
   if interpret:
-    return Plan(Kernel.PALLAS_TRITON, pallas_triton.INTERPRET_TILES, interpret=True)
+    return Plan(Kernel.PALLAS_TRITON, pallas_triton.INTERPRET_TILES, interpret=True,
+                contraction_chunk=contraction_chunk)
   device = device or Device.current()
   ladder_tiles = triton_tiles(layout, rows, cols, dtype, out_dtype)
+  if contraction_chunk is not None:
+    return Plan(Kernel.PALLAS_TRITON, ladder_tiles, contraction_chunk=contraction_chunk)
   if backend == "triton":
     return Plan(Kernel.JAX_TRITON, ladder_tiles)
   mosaic_tiles = _mosaic_tiles(layout, rows, cols, contraction, dtype, out_dtype, groups,
@@ -174,10 +191,12 @@ def launch(plan_: Plan, lhs, rhs, *, layout: Layout, out_dtype, precision=None):
     launcher = jax_triton_matmul.matmul_at_b if layout is Layout.TN else functools.partial(
         jax_triton_matmul.matmul, transpose_b=layout is Layout.NT)
     return launcher(lhs, rhs, out_dtype=out_dtype, precision=precision, tiles=plan_.tiles)
-  launcher = pallas_triton.matmul_at_b if layout is Layout.TN else functools.partial(
-      pallas_triton.matmul, transpose_b=layout is Layout.NT)
-  return launcher(lhs, rhs, out_dtype=out_dtype, precision=precision, tiles=plan_.tiles,
-                  interpret=plan_.interpret)
+  if layout is Layout.TN:
+    return pallas_triton.matmul_at_b(lhs, rhs, out_dtype=out_dtype, precision=precision,
+                                     tiles=plan_.tiles, interpret=plan_.interpret)
+  return pallas_triton.matmul(lhs, rhs, transpose_b=layout is Layout.NT, out_dtype=out_dtype,
+                              precision=precision, tiles=plan_.tiles, interpret=plan_.interpret,
+                              contraction_chunk=plan_.contraction_chunk)
 
 
 @functools.cache
@@ -206,15 +225,16 @@ def _mosaic_launcher(layout: Layout, out_dtype, tiles: mosaic.HopperTiles):
 
 
 def run(layout: Layout, lhs, rhs, *, out_dtype, precision=None, backend: str = "pallas",
-        interpret: bool = False):
+        interpret: bool = False, contraction_chunk: int | None = None):
   """Plans and runs the ``G`` GEMMs of operands shaped as the module docstring
   says (their shapes give rows, cols, contraction and groups); returns
-  [G, rows, cols] in ``out_dtype``."""
+  [G, rows, cols] in ``out_dtype``. ``contraction_chunk``: see :func:`plan`."""
   if layout is Layout.TN:
     contraction, rows = lhs.shape[1:]
   else:
     rows, contraction = lhs.shape[1:]
   cols = rhs.shape[1] if layout is Layout.NT else rhs.shape[2]
   chosen = plan(layout, rows, cols, contraction, dtype=lhs.dtype, out_dtype=out_dtype,
-                groups=lhs.shape[0], backend=backend, interpret=interpret)
+                groups=lhs.shape[0], backend=backend, interpret=interpret,
+                contraction_chunk=contraction_chunk)
   return launch(chosen, lhs, rhs, layout=layout, out_dtype=out_dtype, precision=precision)

@@ -267,6 +267,54 @@ def test_plan_interpret_and_backend_choices():
     _plan(Layout.NN, 1, 1, 1, backend="cublas")
 
 
+def test_plan_routes_chunked_contractions_to_pallas_triton():
+  """A chunked contraction runs on the Pallas Triton kernel with the ladder's
+  tiles, whatever would serve the GEMM otherwise; dB, jax-triton and chunks
+  that are not whole BLOCK_K steps are refused."""
+  for layout in (Layout.NN, Layout.NT):
+    for rows in (1, 300, 4096):
+      chosen = _plan(layout, rows, 4096, 20000, contraction_chunk=8192)
+      tiles = matmul_plan.triton_tiles(layout, rows, 4096, bf16, bf16)
+      assert chosen == matmul_plan.Plan(Kernel.PALLAS_TRITON, tiles, contraction_chunk=8192)
+  for layout, options in ((Layout.TN, {}), (Layout.NN, {"backend": "triton"}),
+                          (Layout.NT, {"contraction_chunk": 100})):
+    with pytest.raises(ValueError, match="contraction_chunk needs"):
+      _plan(layout, 300, 4096, 20000, **{"contraction_chunk": 8192, **options})
+
+
+def _chunked_equals_loop_of_gemms(rows, cols, contraction, chunk, *, interpret):
+  """NN and NT with ``contraction_chunk`` against one GEMM per chunk (each as the
+  plan runs it) whose float32 results are added in order from zeros, bitwise;
+  and a chunk as long as the contraction against the unchunked GEMM."""
+  rng = np.random.default_rng(contraction)
+  lhs = random_normal(rng, (1, rows, contraction), jnp.bfloat16)
+  rhs_nn = random_normal(rng, (1, contraction, cols), jnp.bfloat16)
+  run = functools.partial(matmul_plan.run, out_dtype=jnp.float32, interpret=interpret)
+  for layout, rhs, window in ((Layout.NN, rhs_nn, lambda x, s: x[:, s, :]),
+                              (Layout.NT, jnp.swapaxes(rhs_nn, 1, 2), lambda x, s: x[:, :, s])):
+    want = jnp.zeros((1, rows, cols), jnp.float32)
+    for first in range(0, contraction, chunk):
+      part = slice(first, first + chunk)
+      want = want + run(layout, lhs[:, :, part], window(rhs, part))
+    got = run(layout, lhs, rhs, contraction_chunk=chunk)
+    assert_bitwise_equal(got, want, what=f"{layout.name} in chunks of {chunk}")
+    whole = -(-contraction // kernels.BLOCK_K) * kernels.BLOCK_K
+    assert_bitwise_equal(run(layout, lhs, rhs, contraction_chunk=whole), run(layout, lhs, rhs),
+                         what=f"{layout.name}, one chunk")
+
+
+@pytest.mark.parametrize("where", ["here", pytest.param("gpu", marks=pytest.mark.gpu)])
+def test_chunked_contraction_equals_a_loop_of_gemms(where):
+  """Interpret mode: 2 full chunks and a tail with a partial step; the GPU: the
+  Triton kernel's chunks against per-chunk GEMMs that the plan sends to Mosaic
+  GPU (300 rows) and to the Triton ladder (16 rows)."""
+  if where == "here":
+    _chunked_equals_loop_of_gemms(5, 40, 300, 128, interpret=True)
+  else:
+    for rows in (16, 300):
+      _chunked_equals_loop_of_gemms(rows, 1024, 2 * 8192 + 1000, 8192, interpret=False)
+
+
 def test_plan_sends_mosaic_only_what_tma_takes_without_copying_the_weight():
   """The Mosaic GPU kernel runs 16-bit GEMMs of one problem with 64-aligned
   result columns and a result no smaller than one of its tiles: the forward and
