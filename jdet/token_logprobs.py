@@ -5,8 +5,20 @@ Numerics: the vocabulary is cut into fixed chunks of C columns (C a function of 
 only: ``pallas_kernels.softmax.token_chunk_cols``). Per chunk, in increasing
 order, the jdet GEMM computes the float32 logits of every row against
 ``weight[:, chunk]``, and a row kernel folds logits * (1 / temperature) into each row's
-running (max, sum of exponentials, picked logit). The [T, V] logits never exist:
-the extra memory is O(T * C). The backward recomputes each chunk's logits.
+running (max, sum of exponentials, picked logit). The backward recomputes each
+chunk's logits.
+
+Two paths give those bits. Where the [T, V] float32 logits fit 1 GiB and the
+weight's rows are 64-element aligned (``pallas_kernels.softmax.token_whole_vocab``),
+one GEMM computes them against the weight itself and one launch of the row
+kernel folds every chunk in order; the backward's dhidden GEMM sums its
+contraction over the vocabulary in the same chunks (``contraction_chunk``).
+Elsewhere a loop walks the chunks, each GEMM against a copied column window
+``weight[:, chunk]``, and the extra memory is O(T * C). The GEMM's bits do not
+depend on which columns it computes, and a row kernel's launch over several
+chunks gives the state of one launch per chunk. (On the H100 the first path ran
+1.3-3.4x faster than the chunk loop from T = 16 to 8192: each column window is a
+copy of a slice of the weight; benchmarks/results/h100.md.)
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ class _TokenConfig:
   chunk: int
   tiles: kernels.SoftmaxTiles
   interpret: bool
+  whole_vocab: bool  # one chunk loop trip over every column (module docstring)
 
   @property
   def gemm(self) -> _GemmConfig:
@@ -108,7 +121,8 @@ def token_logprobs(hidden, weight, tokens, *, temperature=1.0, interpret=None):
   interpret = use_interpret(interpret, hidden, weight)
   inv_temperature = float(np.float32(1) / np.float32(temperature))
   config = _TokenConfig(inv_temperature, kernels.token_chunk_cols(vocab, interpret=interpret),
-                        kernels.softmax_tiles(vocab, interpret=interpret), interpret)
+                        kernels.softmax_tiles(vocab, interpret=interpret), interpret,
+                        kernels.token_whole_vocab(tokens.size, vocab, interpret=interpret))
   if tokens.size == 0:
     return jnp.zeros(tokens.shape, jnp.float32)
   dtype = jnp.result_type(hidden.dtype, weight.dtype)
@@ -152,7 +166,10 @@ def _logits(config: _TokenConfig, h, w_chunk):
 
 
 def _over_chunks(config: _TokenConfig, w, step, carry):
-  """carry = step(first column, weight[:, chunk], carry) for each chunk in increasing order."""
+  """carry = step(first column, weight[:, chunk], carry) for each chunk in increasing
+  order; with ``config.whole_vocab`` one step over every column."""
+  if config.whole_vocab:
+    return step(0, w, carry)
   full, tail = _chunks(config, w.shape[1])
   if full:
     carry = lax.fori_loop(
@@ -194,14 +211,19 @@ def _token_logprobs_backward(config, saved, cotangent):
         _logits(config, h, w_chunk), tokens - first, m, s, cotangent,
         inv_temperature=config.inv_temperature, out_dtype=h.dtype, tiles=config.tiles,
         interpret=config.interpret)
-    # dhidden += dlogits @ w_chunkᵀ (the GEMM's dA, contracting the chunk in 64-wide steps).
-    dh = dh + gemm(config.gemm, Layout.NT, dlogits[None], w_chunk[None],
-                   out_dtype=jnp.float32)[0]
+    # dhidden += dlogits @ w_chunkᵀ (the GEMM's dA, contracting each chunk in 64-wide
+    # steps; a step over several chunks adds their sums in order).
+    several = w_chunk.shape[1] > config.chunk
+    dh = dh + gemm(config.gemm, Layout.NT, dlogits[None], w_chunk[None], out_dtype=jnp.float32,
+                   contraction_chunk=config.chunk if several else None)[0]
     # dweight[:, chunk] = hᵀ @ dlogits (the GEMM's dB: fixed 64-row blocks in order).
     dw_chunk = gemm(config.gemm, Layout.TN, h[None], dlogits[None], out_dtype=w.dtype)[0]
+    if dw is None:
+      return dh, dw_chunk
     return dh, lax.dynamic_update_slice_in_dim(dw, dw_chunk, first, axis=1)
 
-  dh, dw = _over_chunks(config, w, step, (jnp.zeros((rows, d), jnp.float32), jnp.zeros_like(w)))
+  start = (jnp.zeros((rows, d), jnp.float32), None if config.whole_vocab else jnp.zeros_like(w))
+  dh, dw = _over_chunks(config, w, step, start)
   return dh.astype(h.dtype), dw, None
 
 

@@ -92,6 +92,16 @@ INTERPRET_BLOCK_ROWS = 8
 
 # A token_logprobs vocab chunk is this many sub-chunks (GPU: 8192 columns).
 CHUNK_SUB_CHUNKS = 2
+# token_logprobs takes the whole vocabulary as one chunk (one GEMM against the
+# weight itself: a chunk is a column window of [D, V], which the GEMM gets as a
+# copy) when its [T, V] float32 logits hold at most this many elements (GPU: 1
+# GiB) and the weight's rows are WHOLE_VOCAB_ALIGN-aligned (128 bytes in bf16;
+# the GEMMs read rows of other pitches slower than a copy costs); elsewhere it
+# streams chunks in O(T * C) memory. Interpret mode: a small limit, so that the
+# tests' few rows take one path and their batches the other.
+GPU_WHOLE_VOCAB_LOGITS = 1 << 28
+INTERPRET_WHOLE_VOCAB_LOGITS = 1 << 11
+WHOLE_VOCAB_ALIGN = 64
 
 # The token finalize kernel is elementwise: any block gives the same bits.
 FINALIZE_TILES = SoftmaxTiles(128, 1, 4)
@@ -112,6 +122,15 @@ def token_chunk_cols(vocab: int, *, interpret: bool) -> int:
   """Vocab columns per token_logprobs chunk: CHUNK_SUB_CHUNKS sub-chunks of the
   tiles of a ``vocab``-long row (a vocab of at most one such chunk is one chunk)."""
   return CHUNK_SUB_CHUNKS * softmax_tiles(vocab, interpret=interpret).block_cols
+
+
+def token_whole_vocab(rows: int, vocab: int, *, interpret: bool) -> bool:
+  """Whether token_logprobs takes ``rows`` rows over the whole vocabulary at once
+  (see GPU_WHOLE_VOCAB_LOGITS). Either way gives the same bits: one launch over
+  a row gives the state its chunks' launches give (module docstring)."""
+  if interpret:
+    return rows * vocab <= INTERPRET_WHOLE_VOCAB_LOGITS
+  return vocab % WHOLE_VOCAB_ALIGN == 0 and rows * vocab <= GPU_WHOLE_VOCAB_LOGITS
 
 
 # ---------------------------------------------------------------------------

@@ -1,7 +1,9 @@
 """jdet.token_logprobs: fused == unfused bitwise, row invariance, gradients, errors.
 
 On CPU the vocab chunk is 256 columns (two 128-wide sub-chunks), so V = 300 runs
-one full chunk in the chunk loop and a 44-column tail chunk.
+one full chunk in the chunk loop and a 44-column tail chunk. A few rows take the
+whole vocabulary at once and the 24-row batch the chunk loop, so comparing rows
+alone with the batch compares the two paths.
 """
 
 import jax
@@ -50,6 +52,9 @@ def data():
 def test_chunking_on_cpu():
   assert kernels.token_chunk_cols(V, interpret=True) == 256
   assert kernels.softmax_tiles(V, interpret=True).block_cols == 128
+  assert kernels.token_whole_vocab(1, V, interpret=True)
+  assert not kernels.token_whole_vocab(kernels.softmax_tiles(V, interpret=True).block_rows, V,
+                                       interpret=True)
 
 
 def test_fused_equals_unfused_bitwise(data):
@@ -158,15 +163,20 @@ def test_bad_input_raises(kwargs, error, match):
 @pytest.mark.long
 @pytest.mark.parametrize("vocab", [151936, 128256, 50257])
 def test_gpu_fused_equals_unfused_and_rows_invariant(vocab):
-  """Realistic LM head: fused == unfused bitwise (temperature 1 and 0.7), rows 1..300
-  alone vs in batches, dhidden rows, and dweight unchanged by zero-cotangent rows.
-  V = 50,257 (odd) checks the row-alignment argument of pallas_kernels.softmax."""
+  """Realistic LM head: fused == unfused bitwise (temperature 1 and 0.7), the first
+  rows alone vs all 1400, dhidden rows, and dweight unchanged by zero-cotangent rows.
+  At V = 151,936 the whole batch takes the chunk loop and up to 1766 rows the
+  whole vocabulary at once (128,256: all of them), so the first rows compare the
+  two paths. V = 50,257 (odd: always the chunk loop) checks the row-alignment
+  argument of pallas_kernels.softmax."""
   rng = np.random.default_rng(vocab)
-  d = 1024
-  h = _normal(rng, (300, d), jnp.bfloat16)
+  d, rows = 1024, 1800 if vocab == 151936 else 300
+  assert kernels.token_whole_vocab(rows, vocab, interpret=False) == (vocab == 128256)
+  assert kernels.token_whole_vocab(255, vocab, interpret=False) == (vocab != 50257)
+  h = _normal(rng, (rows, d), jnp.bfloat16)
   w = _normal(rng, (d, vocab), jnp.bfloat16, 0.05)
-  t = jnp.asarray(rng.integers(0, vocab, (300,)), jnp.int32)
-  g = _normal(rng, (300,))
+  t = jnp.asarray(rng.integers(0, vocab, (rows,)), jnp.int32)
+  g = _normal(rng, (rows,))
   for tau in (1.0, TAU):
     got = jax.jit(lambda h, w, t: jdet.token_logprobs(h, w, t, temperature=tau))(h, w, t)
     want = jax.jit(lambda h, w, t: _unfused(h, w, t, tau))(h, w, t)
@@ -178,6 +188,6 @@ def test_gpu_fused_equals_unfused_and_rows_invariant(vocab):
     dh_m, dw_m = grads(h[:m], w, t[:m], g[:m])
     assert_bitwise_equal(dh_m, dh[:m], what=f"V={vocab}, dhidden, first {m} rows")
     _, dw_zero = grads(h, w, t, jnp.zeros_like(g).at[:m].set(g[:m]))
-    assert_bitwise_equal(dw_zero, dw_m, what=f"V={vocab}, dweight, {300 - m} zero rows")
+    assert_bitwise_equal(dw_zero, dw_m, what=f"V={vocab}, dweight, {rows - m} zero rows")
   ref = jdet.token_logprobs_reference(h, w, t, temperature=TAU)
   assert relative_error(out, ref) < 1e-5
