@@ -436,11 +436,11 @@ def _attention_check(full):
                (0, 0, 0), lambda out: relative_error(out[0, rows], exact()[1]), 2e-2, sizes)]
 
 
-def attention_bench_cases(configs):
-  """Cases for ("prefill" or "decode", B, T, S) configs with ATTENTION_HEADS, bf16:
-  prefill forward and forward+backward against jax.nn (cuDNN where it runs), decode
-  forward against XLA."""
-  n, kv, h = ATTENTION_HEADS
+def attention_bench_cases(configs, *, heads=ATTENTION_HEADS):
+  """Cases for ("prefill" or "decode", B, T, S) configs with ``heads`` = (N, K, H),
+  bf16: prefill forward and forward+backward against jax.nn (cuDNN where it runs),
+  decode forward against XLA."""
+  n, kv, h = heads
   dtype = jnp.bfloat16
   itemsize = jnp.dtype(dtype).itemsize
   cases = []
