@@ -96,6 +96,13 @@ def token_logprobs(hidden, weight, tokens, *, temperature=1.0, interpret=None):
   token, its cotangent and weight: not on the number of rows, their order,
   padding, chunking, ``jit``/``vmap``, nor on the run. dweight is unchanged by
   appended rows whose cotangent is zero.
+
+  Memory: where the [rows, V] float32 logits of one call fit 1 GiB (rows: every
+  row of ``hidden``'s leading dims; V a multiple of 64), the call holds them
+  (and, for the gradient, dlogits in the compute dtype) for speed; above, it
+  streams the vocabulary in O(rows * 8192). Under ``jax.vmap`` the rule sees one
+  mapped example's rows, so the logits of all examples may be held at once:
+  pass a batch as leading dims of ``hidden`` instead to keep the limit.
   """
   hidden = as_array("hidden", hidden)
   weight = as_array("weight", weight)
