@@ -16,9 +16,9 @@ contraction over the vocabulary in the same chunks (``contraction_chunk``).
 Elsewhere a loop walks the chunks, each GEMM against a copied column window
 ``weight[:, chunk]``, and the extra memory is O(T * C). The GEMM's bits do not
 depend on which columns it computes, and a row kernel's launch over several
-chunks gives the state of one launch per chunk. (On the H100 the first path ran
-1.3-3.4x faster than the chunk loop from T = 16 to 8192: each column window is a
-copy of a slice of the weight; benchmarks/results/h100.md.)
+chunks gives the state of one launch per chunk. The first path is the faster
+where it applies: the loop's column windows are copies of the weight's slices
+(benchmarks/results/h100.md, nineteenth session).
 """
 
 from __future__ import annotations
