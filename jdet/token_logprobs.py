@@ -220,9 +220,8 @@ def _token_logprobs_backward(config, saved, cotangent):
         interpret=config.interpret)
     # dhidden += dlogits @ w_chunkᵀ (the GEMM's dA, contracting each chunk in 64-wide
     # steps; a step over several chunks adds their sums in order).
-    several = w_chunk.shape[1] > config.chunk
     dh = dh + gemm(config.gemm, Layout.NT, dlogits[None], w_chunk[None], out_dtype=jnp.float32,
-                   contraction_chunk=config.chunk if several else None)[0]
+                   contraction_chunk=config.chunk)[0]
     # dweight[:, chunk] = hᵀ @ dlogits (the GEMM's dB: fixed 64-row blocks in order).
     dw_chunk = gemm(config.gemm, Layout.TN, h[None], dlogits[None], out_dtype=w.dtype)[0]
     if dw is None:

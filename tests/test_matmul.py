@@ -269,13 +269,17 @@ def test_plan_interpret_and_backend_choices():
 
 def test_plan_routes_chunked_contractions_to_pallas_triton():
   """A chunked contraction runs on the Pallas Triton kernel with the ladder's
-  tiles, whatever would serve the GEMM otherwise; dB, jax-triton and chunks
-  that are not whole BLOCK_K steps are refused."""
+  tiles, whatever would serve the GEMM otherwise, and a chunk that covers the
+  contraction plans as no chunk; dB, jax-triton and chunks that are not whole
+  BLOCK_K steps are refused."""
   for layout in (Layout.NN, Layout.NT):
     for rows in (1, 300, 4096):
       chosen = _plan(layout, rows, 4096, 20000, contraction_chunk=8192)
       tiles = matmul_plan.triton_tiles(layout, rows, 4096, bf16, bf16)
       assert chosen == matmul_plan.Plan(Kernel.PALLAS_TRITON, tiles, contraction_chunk=8192)
+      for chunk in (8192, 8256):
+        assert _plan(layout, rows, 4096, 8192, contraction_chunk=chunk) == _plan(
+            layout, rows, 4096, 8192)
   for layout, options in ((Layout.TN, {}), (Layout.NN, {"backend": "triton"}),
                           (Layout.NT, {"contraction_chunk": 100})):
     with pytest.raises(ValueError, match="contraction_chunk needs"):

@@ -166,7 +166,8 @@ def test_bad_input_raises(kwargs, error, match):
 @pytest.mark.parametrize("vocab", [151936, 128256, 50257])
 def test_gpu_fused_equals_unfused_and_rows_invariant(vocab):
   """Realistic LM head: fused == unfused bitwise (temperature 1 and 0.7), the first
-  rows alone vs all 1400, dhidden rows, and dweight unchanged by zero-cotangent rows.
+  rows alone vs the whole batch (1800 rows at V = 151,936, else 300), dhidden rows,
+  and dweight unchanged by zero-cotangent rows.
   At V = 151,936 the whole batch takes the chunk loop and up to 1766 rows the
   whole vocabulary at once (128,256: all of them), so the first rows compare the
   two paths. V = 50,257 (odd: always the chunk loop) checks the row-alignment
