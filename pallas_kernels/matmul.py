@@ -149,8 +149,6 @@ def contraction_loop(k: int, step, acc, *, chunk: int | None = None):
   one after another (``jdet.token_logprobs``' dhidden). A ``chunk`` that covers
   the whole contraction gives the unchunked bits (a sum that starts at +0 is
   never -0, and +0 + x is x)."""
-  if chunk is not None and chunk % BLOCK_K:
-    raise ValueError(f"chunk must be a multiple of BLOCK_K = {BLOCK_K}, got {chunk}")
   full_steps = k // BLOCK_K
 
   def body(masked, kk, acc):
@@ -167,6 +165,8 @@ def contraction_loop(k: int, step, acc, *, chunk: int | None = None):
 
   if chunk is None or chunk >= k:
     return steps(0, full_steps, acc, last=True)
+  if chunk % BLOCK_K:
+    raise ValueError(f"chunk must be a multiple of BLOCK_K = {BLOCK_K}, got {chunk}")
   per_chunk = chunk // BLOCK_K
   full_chunks = k // chunk
 

@@ -95,18 +95,19 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   summed in chunks of that many indices, each from zero, the chunk sums added
   in order (``pallas_kernels.matmul.contraction_loop``): the bits of a loop of
   GEMMs over the chunks whose float32 results are added one after another. A
-  chunk that covers the contraction is no chunking: the GEMM is planned as any.
+  chunk that covers the contraction (of any size) is no chunking: the GEMM is
+  planned as any.
   """
   dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype)
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if contraction_chunk is not None and contraction_chunk >= contraction:
+    contraction_chunk = None
   if contraction_chunk is not None and (layout is Layout.TN or backend != "pallas"
                                         or contraction_chunk % BLOCK_K):
     raise ValueError(f"contraction_chunk needs layout NN or NT, backend 'pallas' and a "
                      f"multiple of {BLOCK_K}; got {layout.name}, {backend!r}, "
                      f"{contraction_chunk}")
-  if contraction_chunk is not None and contraction_chunk >= contraction:
-    contraction_chunk = None
   if interpret:
     return Plan(Kernel.PALLAS_TRITON, pallas_triton.INTERPRET_TILES, interpret=True,
                 contraction_chunk=contraction_chunk)

@@ -277,9 +277,9 @@ def test_plan_routes_chunked_contractions_to_pallas_triton():
       chosen = _plan(layout, rows, 4096, 20000, contraction_chunk=8192)
       tiles = matmul_plan.triton_tiles(layout, rows, 4096, bf16, bf16)
       assert chosen == matmul_plan.Plan(Kernel.PALLAS_TRITON, tiles, contraction_chunk=8192)
-      for chunk in (8192, 8256):
-        assert _plan(layout, rows, 4096, 8192, contraction_chunk=chunk) == _plan(
-            layout, rows, 4096, 8192)
+      for contraction, chunk in ((8192, 8192), (8192, 8256), (20, 32)):
+        assert _plan(layout, rows, 4096, contraction, contraction_chunk=chunk) == _plan(
+            layout, rows, 4096, contraction)
   for layout, options in ((Layout.TN, {}), (Layout.NN, {"backend": "triton"}),
                           (Layout.NT, {"contraction_chunk": 100})):
     with pytest.raises(ValueError, match="contraction_chunk needs"):
