@@ -77,12 +77,13 @@ def token_logprobs(hidden, weight, tokens, *, temperature=1.0, interpret=None):
   0.10.2), so the chunk kernel multiplies by that same float32 reciprocal,
   rounded on its own (``mul.rn.f32`` on the GPU; XLA before the launch in
   interpret mode). And the chunk kernel loads the same float32 sub-chunk blocks
-  (shape, warps, row alignment, masks) as log_softmax's row kernel over V columns
-  and folds them with the same function; the state passes between chunks exactly
-  through HBM. Not guaranteed by construction: Triton's choice of register
-  layout (which fixes ``jnp.sum``'s tree), argued equal in
-  ``pallas_kernels.softmax`` and checked by the GPU test (V = 151,936, 128,256
-  and the odd 50,257), and XLA's division rewrite. On float32 inputs the GEMM uses
+  (shape, warps, masks) as log_softmax's row kernel over V columns and folds them
+  with the same function and the same kind of row sum; the state passes between
+  chunks exactly through HBM. Not guaranteed by construction: where V is a
+  multiple of 8, Triton's choice of register layout (which fixes ``jnp.sum``'s
+  tree; argued equal in ``pallas_kernels.softmax``; elsewhere the sums are a tree
+  that no layout changes), and XLA's division rewrite; both checked by the GPU
+  test (V = 151,936, 128,256 and the odd 50,257). On float32 inputs the GEMM uses
   TF32 on the GPU in both.
 
   Gradients (``jax.grad``): per chunk, the logits are recomputed and a row

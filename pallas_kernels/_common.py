@@ -195,6 +195,25 @@ def sum_in_order(terms):
   return total
 
 
+def pairwise_row_sum(x, *, native: bool):
+  """Row sums of a [rows, W] block (W a power of two) as [rows, 1]: a balanced
+  tree fixed by the column index (level by level, columns 2j and 2j + 1 add).
+  Every add has exactly two operands, so which thread holds which cannot change
+  its result: the sum's bits do not depend on the register layout Triton picks
+  for the block (which follows the alignment it can prove of the addresses and
+  masks), unlike ``jnp.sum``'s tree. Neighbours first: the levels within a
+  thread's contiguous columns need no data exchange. In interpret mode each
+  level is a value of its own (:func:`uncontracted`), or XLA:CPU merges the
+  levels' reductions into one of its own order."""
+  rows, width = x.shape
+  if width & (width - 1):
+    raise ValueError(f"pairwise_row_sum needs a power-of-two width, got {width}")
+  while width > 1:
+    width //= 2
+    x = uncontracted(jnp.sum(x.reshape(rows, width, 2), axis=2), native=native)
+  return x
+
+
 def _ptx_f32(instruction: str, *operands):
   """One PTX float32 instruction per element (``$0`` the result, ``$1``... the
   operands, which broadcast to one shape); GPU (Triton lowering) only."""

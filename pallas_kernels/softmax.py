@@ -10,14 +10,14 @@ float32 block (columns past L read as -inf). One function,
     m' = max(m, max_j x_j);  c = m' (0 where m' = -inf)
     s' = s * exp(m - c) + sum_j exp(x_j - c)       (one fused multiply-add on the GPU)
 
-``block_rows``, W and the warps are a pure function of L (:func:`softmax_tiles`),
-never of the row count, so a row meets the same blocks, the same reduction trees
-and the same op sequence in every batch. The row count reaches the kernels as an
-operand, not as a constant, and the grid is bucketed
+``block_rows``, W, the warps and the kind of row sum are a pure function of L
+(:func:`softmax_tiles`), never of the row count, so a row meets the same blocks,
+the same reduction trees and the same op sequence in every batch. The row count
+reaches the kernels as an operand, not as a constant, and the grid is bucketed
 (:func:`~pallas_kernels._common.counted_rows_call`): every row count of a bucket
 runs the same compiled kernel. Rows past the count are masked on load and store
 (every block carries the row mask); programs past it return at once. A NaN stays
-in its own row.
+in its own row. The kernels read rows where they lie, at the array's pitch.
 
 The streamed token kernels (:func:`token_chunk_update`) fold the columns
 [c0, c0 + C) of a row (C a multiple of W, c0 a multiple of C) into a state that
@@ -26,12 +26,24 @@ travels through HBM in float32 between launches. They load the same
 the whole row, and call the same :func:`online_update`, so running a row's
 chunks one launch after another gives the state that one launch over the whole
 row gives, bit for bit (the state is stored exactly; it restarts a launch where
-the previous one stopped). Triton picks a block's register layout, and with it
-the order of ``jnp.sum``'s tree, from the block shape, the warps and what it can
-prove about the alignment of the addresses and masks: so the launchers pad a
-row's storage to a multiple of 16 bytes (every row starts 16-byte aligned), only
-the last sub-chunk of a row or chunk carries a column mask, and a chunk's
-length is congruent to the row's modulo every power of two below W.
+the previous one stopped).
+
+Row sums and the pitch. The arrays are read where they lie, without padded
+copies, so a row's address has the alignment its array gives it: a chunk's
+buffer has another pitch than the whole row's array, and a one-row array starts
+aligned where the same row inside a batch need not. Triton picks a block's
+register layout, and with it ``jnp.sum``'s tree, from what it can prove about
+that alignment. So every row sum over a block (the state's and the backward's)
+is, by the row length L alone (``SoftmaxTiles.pairwise_sums``):
+
+  * where L is a multiple of ``ALIGNED_ROW_ELEMENTS``, ``jnp.sum``: every row of
+    every array and chunk buffer is then 16-byte aligned (2- and 4-byte dtypes),
+    Triton's widest vector, and gets one layout (only the last sub-chunk of a row
+    or chunk carries a column mask, and a chunk's length is congruent to the
+    row's modulo every power of two below W);
+  * elsewhere :func:`~pallas_kernels._common.pairwise_row_sum`, a tree fixed by
+    the column index that no layout changes (2-10% slower than ``jnp.sum`` on
+    aligned bfloat16 rows on the H100, so not used where ``jnp.sum`` is safe).
 
 Kernels:
   * :func:`row_forward_kernel` - the state, and softmax / log_softmax / logsumexp.
@@ -57,22 +69,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params, counted_rows_call,
-                                    divide, launcher, multiply, multiply_add, pad_axis,
-                                    store_block)
+                                    divide, launcher, multiply, multiply_add,
+                                    pairwise_row_sum, store_block)
 
 SOFTMAX, LOG_SOFTMAX, LOGSUMEXP = "softmax", "log_softmax", "logsumexp"
 KINDS = (SOFTMAX, LOG_SOFTMAX, LOGSUMEXP)
 
-# Rows are stored padded to a multiple of this many bytes (see the module docstring).
-ROW_ALIGN_BYTES = 16
-
-
 @dataclasses.dataclass(frozen=True)
 class SoftmaxTiles:
-  """Rows per program, sub-chunk width W (both powers of two) and Triton warps."""
+  """Rows per program, sub-chunk width W (both powers of two), Triton warps, and
+  whether row sums are ``pairwise_row_sum``'s (module docstring)."""
   block_rows: int
   block_cols: int
   num_warps: int
+  pairwise_sums: bool = False
 
 
 # GPU rule (not measured yet; chosen for a memory-bound kernel on the H100): a row
@@ -103,6 +113,10 @@ GPU_WHOLE_VOCAB_LOGITS = 1 << 28
 INTERPRET_WHOLE_VOCAB_LOGITS = 1 << 11
 WHOLE_VOCAB_ALIGN = 64
 
+# Rows of a multiple of this many elements are 16-byte aligned in every dtype
+# (module docstring, "Row sums and the pitch").
+ALIGNED_ROW_ELEMENTS = 8
+
 # The token finalize kernel is elementwise: any block gives the same bits.
 FINALIZE_TILES = SoftmaxTiles(128, 1, 4)
 
@@ -111,11 +125,13 @@ def softmax_tiles(length: int, *, interpret: bool) -> SoftmaxTiles:
   """Tiles for rows of ``length`` columns (any input dtype: blocks are float32
   after the load); never a function of the row count."""
   width = pl.next_power_of_2(max(length, MIN_COLS))
+  pairwise = length % ALIGNED_ROW_ELEMENTS != 0
   if interpret:
-    return SoftmaxTiles(INTERPRET_BLOCK_ROWS, min(width, INTERPRET_MAX_COLS), 4)
+    return SoftmaxTiles(INTERPRET_BLOCK_ROWS, min(width, INTERPRET_MAX_COLS), 4, pairwise)
   if length > GPU_ONE_BLOCK:
     width = GPU_LONG_ROW_COLS
-  return SoftmaxTiles(max(1, GPU_MIN_BLOCK // width), width, 8 if width >= 8192 else 4)
+  return SoftmaxTiles(max(1, GPU_MIN_BLOCK // width), width, 8 if width >= 8192 else 4,
+                      pairwise)
 
 
 def token_chunk_cols(vocab: int, *, interpret: bool) -> int:
@@ -142,11 +158,17 @@ def _shift(m):
   return jnp.where(m == -jnp.inf, 0.0, m)
 
 
-def online_update(m, s, x, *, native: bool):
+def row_sum(x, *, pairwise: bool, native: bool):
+  """[block_rows, W] -> [block_rows, 1]: the one row sum of every kernel here
+  (module docstring, "Row sums and the pitch")."""
+  return pairwise_row_sum(x, native=native) if pairwise else jnp.sum(x, axis=1, keepdims=True)
+
+
+def online_update(m, s, x, *, pairwise: bool, native: bool):
   """Folds the float32 [block_rows, W] block ``x`` into the state (m, s)."""
   m_new = jnp.maximum(m, jnp.max(x, axis=1, keepdims=True))
   shift = _shift(m_new)
-  partial = jnp.sum(jnp.exp(x - shift), axis=1, keepdims=True)
+  partial = row_sum(jnp.exp(x - shift), pairwise=pairwise, native=native)
   return m_new, multiply_add(s, jnp.exp(m - shift), partial, fused=native)
 
 
@@ -186,9 +208,21 @@ def _load_tokens(ref, valid):
 
 @dataclasses.dataclass(frozen=True)
 class _Row:
-  """Where a program's sub-chunks lie: ``length`` real columns of width-W sub-chunks."""
+  """Where a program's sub-chunks lie: ``length`` real columns of width-W
+  sub-chunks; and how row sums run (``SoftmaxTiles.pairwise_sums``)."""
   length: int
   width: int
+  pairwise_sums: bool
+
+  @classmethod
+  def of(cls, length: int, tiles: SoftmaxTiles) -> _Row:
+    return cls(length, tiles.block_cols, tiles.pairwise_sums)
+
+  def update(self, state, x, *, native: bool):
+    return online_update(*state, x, pairwise=self.pairwise_sums, native=native)
+
+  def sum(self, x, *, native: bool):
+    return row_sum(x, pairwise=self.pairwise_sums, native=native)
 
   @property
   def count(self) -> int:
@@ -243,7 +277,7 @@ def row_forward_kernel(x_ref, y_ref, m_ref, s_ref, *, kind: str, valid, row: _Ro
   log_softmax) or [block_rows, 1] (logsumexp); m_ref, s_ref: [block_rows, 1] float32."""
   load = lambda start, last: row.load(x_ref, start, valid, last=last, fill=-jnp.inf)
   (m, s), last_block = row.sweep(
-      load, lambda x, _, state: online_update(*state, x, native=native),
+      load, lambda x, _, state: row.update(state, x, native=native),
       _initial_state(x_ref.shape[0]))
   store_block(m_ref, m, rows=valid)
   store_block(s_ref, s, rows=valid)
@@ -289,7 +323,7 @@ def row_backward_kernel(x_ref, m_ref, s_ref, g_ref, dx_ref, *, kind: str, valid,
     term = lambda x, g: g
     grad = lambda x, g, total: multiply_add(-probs(x), total, g, fused=native)
   total, last_block = row.sweep(
-      load, lambda xg, _, total: total + jnp.sum(term(*xg), axis=1, keepdims=True),
+      load, lambda xg, _, total: total + row.sum(term(*xg), native=native),
       jnp.zeros((x_ref.shape[0], 1), jnp.float32))
   row.emit(load, lambda xg, start, last: store(start, grad(*xg, total), last), last_block)
 
@@ -317,7 +351,7 @@ def token_chunk_update_kernel(x_ref, tok_ref, m_ref, s_ref, p_ref, m_out, s_out,
   def body(x, start, state):
     m, s, picked = state
     x = _scaled(x, inv_temperature, native)
-    m, s = online_update(m, s, x, native=native)
+    m, s = row.update((m, s), x, native=native)
     hit = jnp.where(start + cols == token, x, -jnp.inf)
     return m, s, jnp.maximum(picked, jnp.max(hit, axis=1, keepdims=True))
 
@@ -356,11 +390,7 @@ def token_chunk_backward_kernel(x_ref, tok_ref, m_ref, s_ref, g_ref, dl_ref, *, 
 
 
 # ---------------------------------------------------------------------------
-# Launchers: natural (unpadded) inputs; rows are stored padded to ROW_ALIGN_BYTES.
-
-
-def _aligned(x):
-  return pad_axis(x, 1, ROW_ALIGN_BYTES // x.dtype.itemsize)
+# Launchers: natural (unpadded) inputs and outputs.
 
 
 def _call(kernel, inputs, outputs, *, tiles: SoftmaxTiles, wide, interpret: bool, name: str,
@@ -393,32 +423,28 @@ def row_forward(x, *, kind: str, tiles: SoftmaxTiles, interpret: bool):
   """x: [rows, L] bfloat16/float16/float32. Returns (y, m, s): y is [rows, L]
   (softmax, log_softmax) or [rows] (logsumexp) in x's dtype; m, s: [rows] float32."""
   rows, length = x.shape
-  xp = _aligned(x)
   f32 = lambda: jax.ShapeDtypeStruct((rows, 1), jnp.float32)
-  y_shape = (rows, 1) if kind == LOGSUMEXP else xp.shape
+  y_shape = (rows, 1) if kind == LOGSUMEXP else x.shape
   y, m, s = _call(
-      functools.partial(row_forward_kernel, kind=kind, native=not interpret), [xp],
+      functools.partial(row_forward_kernel, kind=kind, native=not interpret), [x],
       [jax.ShapeDtypeStruct(y_shape, x.dtype), f32(), f32()],
-      row=_Row(length, tiles.block_cols), tiles=tiles, wide=(True, kind != LOGSUMEXP, False, False),
+      row=_Row.of(length, tiles), tiles=tiles, wide=(True, kind != LOGSUMEXP, False, False),
       interpret=interpret, name=f"jdet_{kind}")
-  y = y[:, 0] if kind == LOGSUMEXP else y[:, :length]
-  return y, m[:, 0], s[:, 0]
+  return (y[:, 0] if kind == LOGSUMEXP else y), m[:, 0], s[:, 0]
 
 
 @launcher
 def row_backward(x, m, s, g, *, kind: str, tiles: SoftmaxTiles, interpret: bool):
   """x: [rows, L]; m, s: [rows] float32 (from :func:`row_forward`); g: the
   cotangent of y ([rows, L], or [rows] for logsumexp). Returns dx [rows, L] in x's dtype."""
-  rows, length = x.shape
-  xp = _aligned(x)
-  g = _column(g) if kind == LOGSUMEXP else _aligned(g.astype(x.dtype))
-  dx = _call(
+  length = x.shape[1]
+  g = _column(g) if kind == LOGSUMEXP else g.astype(x.dtype)
+  return _call(
       functools.partial(row_backward_kernel, kind=kind, native=not interpret),
-      [xp, _column(m), _column(s), g], jax.ShapeDtypeStruct(xp.shape, x.dtype),
-      row=_Row(length, tiles.block_cols), tiles=tiles,
+      [x, _column(m), _column(s), g], jax.ShapeDtypeStruct(x.shape, x.dtype),
+      row=_Row.of(length, tiles), tiles=tiles,
       wide=(True, False, False, kind != LOGSUMEXP, True), interpret=interpret,
       name=f"jdet_{kind}_bwd")
-  return dx[:, :length]
 
 
 @launcher
@@ -437,8 +463,8 @@ def token_chunk_update(logits, tokens, m, s, picked, *, inv_temperature: float,
   out = _call(
       functools.partial(token_chunk_update_kernel, inv_temperature=inv_temperature,
                         native=not interpret),
-      [_aligned(logits), _column(tokens), _column(m), _column(s), _column(picked)], state,
-      row=_Row(length, tiles.block_cols), tiles=tiles, wide=(True,) + (False,) * 7,
+      [logits, _column(tokens), _column(m), _column(s), _column(picked)], state,
+      row=_Row.of(length, tiles), tiles=tiles, wide=(True,) + (False,) * 7,
       interpret=interpret, name="jdet_token_chunk_update", aliases={2: 0, 3: 1, 4: 2})
   return tuple(v[:, 0] for v in out)
 
@@ -459,13 +485,11 @@ def token_chunk_backward(logits, tokens, m, s, g, *, inv_temperature: float, out
   """logits: [T, c] float32 (before the temperature); tokens: [T] int32 relative
   to the chunk; m, s: [T] state after the last chunk; g: [T] float32 cotangent of
   the log-probs. Returns dlogits [T, c] in ``out_dtype``."""
-  rows, length = logits.shape
-  xp = _aligned(logits)
-  dl = _call(
+  length = logits.shape[1]
+  return _call(
       functools.partial(token_chunk_backward_kernel, inv_temperature=inv_temperature,
                         native=not interpret),
-      [xp, _column(tokens), _column(m), _column(s), _column(g)],
-      jax.ShapeDtypeStruct(xp.shape, out_dtype), row=_Row(length, tiles.block_cols),
+      [logits, _column(tokens), _column(m), _column(s), _column(g)],
+      jax.ShapeDtypeStruct(logits.shape, out_dtype), row=_Row.of(length, tiles),
       tiles=tiles, wide=(True, False, False, False, False, True), interpret=interpret,
       name="jdet_token_chunk_bwd")
-  return dl[:, :length]

@@ -14,7 +14,9 @@ import pytest
 
 import jdet
 from jdet.testing import assert_batch_invariant, assert_bitwise_equal, random_normal, relative_error
+from jax.experimental import pallas as pl
 from pallas_kernels import softmax as kernels
+from pallas_kernels._common import pairwise_row_sum
 
 OPS = {"softmax": jdet.softmax, "log_softmax": jdet.log_softmax, "logsumexp": jdet.logsumexp}
 REFERENCES = {"softmax": jdet.softmax_reference, "log_softmax": jdet.log_softmax_reference,
@@ -59,6 +61,33 @@ def test_tile_rule_depends_on_row_length_only():
     chunk = kernels.token_chunk_cols(length, interpret=False)
     assert chunk % tiles.block_cols == 0
   assert kernels.token_chunk_cols(151936, interpret=False) == 8192
+  for length, interpret in ((LENGTH, True), (296, True), (50257, False), (151936, False)):
+    assert kernels.softmax_tiles(length, interpret=interpret).pairwise_sums == (length % 8 != 0)
+
+
+def _float32_tree(values):
+  """Neighbours-first pairwise sum in NumPy float32, level by level."""
+  values = np.asarray(values, np.float32)
+  while values.shape[-1] > 1:
+    values = values[..., 0::2] + values[..., 1::2]
+  return values
+
+
+def test_pairwise_row_sum_is_the_fixed_tree():
+  """Bit for bit the neighbours-first tree (not a tolerance: the order is the
+  contract), in a kernel and under XLA alike; wrong widths raise."""
+  x = _normal(np.random.default_rng(1), (16, 64))
+  want = _float32_tree(x)
+  assert_bitwise_equal(jax.jit(functools.partial(pairwise_row_sum, native=False))(x), want,
+                       what="jitted")
+  block = jax.ShapeDtypeStruct((16, 1), jnp.float32)
+  in_kernel = pl.pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(
+      Ellipsis, pairwise_row_sum(x_ref[...], native=False)), out_shape=block, interpret=True)(x)
+  assert_bitwise_equal(in_kernel, want, what="interpreted kernel")
+  sequential = functools.reduce(np.add, np.asarray(x, np.float32).T)[:, None]
+  assert not np.array_equal(want, sequential), "the data must tell the orders apart"
+  with pytest.raises(ValueError, match="power-of-two"):
+    pairwise_row_sum(x[:, :48], native=False)
 
 
 def test_forward_and_grads_batch_invariant(data):
@@ -77,7 +106,8 @@ def test_deterministic(data):
 
 
 @pytest.mark.parametrize("dtype,length", [(jnp.float32, LENGTH), (jnp.float32, 1),
-                                          (jnp.bfloat16, LENGTH), (jnp.float16, LENGTH)])
+                                          (jnp.float32, 296), (jnp.bfloat16, LENGTH),
+                                          (jnp.float16, LENGTH)])
 def test_accuracy_vs_float64_and_dtype(dtype, length):
   rng = np.random.default_rng(length)
   x = _normal(rng, (ROWS, length), dtype)
@@ -171,7 +201,7 @@ def test_bad_input_raises(x, kwargs, error, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("length", [5, 1000, 8192, 8193, 128256, 151936, 262144])
+@pytest.mark.parametrize("length", [5, 1000, 8192, 8193, 50257, 128256, 151936, 262144])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_gpu_rows_alone_equal_the_batch(length, dtype):
   """Realistic row lengths: rows 1..300 in batches of several sizes vs alone, forward

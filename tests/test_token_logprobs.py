@@ -170,8 +170,9 @@ def test_gpu_fused_equals_unfused_and_rows_invariant(vocab):
   and dweight unchanged by zero-cotangent rows.
   At V = 151,936 the whole batch takes the chunk loop and up to 1766 rows the
   whole vocabulary at once (128,256: all of them), so the first rows compare the
-  two paths. V = 50,257 (odd: always the chunk loop) checks the row-alignment
-  argument of pallas_kernels.softmax."""
+  two paths. V = 50,257 (odd: always the chunk loop) reads log_softmax's rows at
+  an odd pitch and the chunks at an aligned one: pallas_kernels.softmax's
+  layout-free row sums."""
   rng = np.random.default_rng(vocab)
   d, rows = 1024, 1800 if vocab == 151936 else 300
   assert kernels.token_whole_vocab(rows, vocab, interpret=False) == (vocab == 128256)
