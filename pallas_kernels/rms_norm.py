@@ -5,7 +5,9 @@ handled in blocks of ``block_rows`` and each row is walked in ``chunk``-wide
 column chunks in increasing order. The sum of squares (forward) and the sum of
 ``(g * w) * xhat`` (backward) are accumulated elementwise into one
 [block_rows, chunk] float32 array, chunk after chunk, and that array is reduced
-along its columns once at the end. Rows never mix: a row's bits depend on its
+along its columns once at the end by ``_common.row_sum`` (a pairwise tree where H
+is not a multiple of 8, so that a row's bits do not depend on its alignment in
+the array, which the unpadded rows' layout follows). Rows never mix: a row's bits depend on its
 own data, the weight and the tile, and the tile (:func:`rms_norm_tiles`) is a
 function of H alone, never of the row count. Rows past M (always masked,
 whatever M) and columns past H are read as 0 and not stored. The forward and dx
@@ -51,7 +53,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._common import (block_mask, bucketed_grid, cdiv, compiler_params,
                                     count_operand, counted_rows_call, launcher, load_block,
-                                    product, store_block)
+                                    pairwise_sums_for, product, row_sum, store_block)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,15 +172,16 @@ def _chunks(rows, h: int, chunk: int, row_span=slice(None)):
   return read, write, read_vector, write_vector
 
 
-def _row_sums(terms, count: int, block_rows: int, chunk: int):
+def _row_sums(terms, count: int, block_rows: int, chunk: int, *, h: int, native: bool):
   """Sums ``terms(k)`` ([block_rows, chunk]) elementwise over k = 0..count-1 in
-  order, then along the columns: one [block_rows] value per row."""
+  order, then along the columns (``_common.row_sum`` for rows of ``h``): one
+  [block_rows] value per row."""
   if count == 1:
     acc = terms(0)
   else:
     acc = lax.fori_loop(0, count, lambda k, acc: acc + terms(k),
                         jnp.zeros((block_rows, chunk), jnp.float32))
-  return jnp.sum(acc, axis=1)
+  return row_sum(acc, pairwise=pairwise_sums_for(h), native=native)[:, 0]
 
 
 def _for_each_chunk(body, count: int):
@@ -230,7 +233,7 @@ def rms_norm_forward_kernel(*refs, valid, h: int, eps: float, chunk: int,
       write(s_ref, k, x)
     return product(x, x, native=native)
 
-  rstd = lax.rsqrt(_row_sums(squares, count, block_rows, chunk) / h + eps)
+  rstd = lax.rsqrt(_row_sums(squares, count, block_rows, chunk, h=h, native=native) / h + eps)
   _store_vector(rstd_ref, rstd, valid)
   _for_each_chunk(
       lambda k: write(y_ref, k, (chunk_input(k) * rstd[:, None]) * read_vector(w_ref, k)[None, :]),
@@ -272,7 +275,7 @@ def rms_norm_dx_kernel(*refs, valid, h: int, block_rows: int, chunk: int,
       xhat, _, gw = chunk_terms(k)
       return product(gw, xhat, native=native)
 
-    c = (_row_sums(products, count, block_rows, chunk) / h)[:, None]
+    c = (_row_sums(products, count, block_rows, chunk, h=h, native=native) / h)[:, None]
     updated = []
     for k in range(count):  # unrolled: sums[k] needs a static k
       xhat, g, gw = chunk_terms(k)

@@ -28,22 +28,15 @@ chunks one launch after another gives the state that one launch over the whole
 row gives, bit for bit (the state is stored exactly; it restarts a launch where
 the previous one stopped).
 
-Row sums and the pitch. The arrays are read where they lie, without padded
-copies, so a row's address has the alignment its array gives it: a chunk's
-buffer has another pitch than the whole row's array, and a one-row array starts
-aligned where the same row inside a batch need not. Triton picks a block's
-register layout, and with it ``jnp.sum``'s tree, from what it can prove about
-that alignment. So every row sum over a block (the state's and the backward's)
-is, by the row length L alone (``SoftmaxTiles.pairwise_sums``):
-
-  * where L is a multiple of ``ALIGNED_ROW_ELEMENTS``, ``jnp.sum``: every row of
-    every array and chunk buffer is then 16-byte aligned (2- and 4-byte dtypes),
-    Triton's widest vector, and gets one layout (only the last sub-chunk of a row
-    or chunk carries a column mask, and a chunk's length is congruent to the
-    row's modulo every power of two below W);
-  * elsewhere :func:`~pallas_kernels._common.pairwise_row_sum`, a tree fixed by
-    the column index that no layout changes (2-10% slower than ``jnp.sum`` on
-    aligned bfloat16 rows on the H100, so not used where ``jnp.sum`` is safe).
+Row sums. The kernels read rows where they lie, without padded copies, so a
+block's register layout (which fixes ``jnp.sum``'s tree) may differ between a
+batch's array, a one-row array and token_logprobs' chunk buffers. Every row sum
+over a block (the state's and the backward's) is therefore
+:func:`~pallas_kernels._common.row_sum`, which is ``jnp.sum`` where L is a
+multiple of 8 (every row 16-byte aligned: one layout everywhere, as only the last
+sub-chunk of a row or chunk carries a column mask and a chunk's length is
+congruent to the row's modulo every power of two below W) and a pairwise tree
+that no layout changes elsewhere (``SoftmaxTiles.pairwise_sums``).
 
 Kernels:
   * :func:`row_forward_kernel` - the state, and softmax / log_softmax / logsumexp.
@@ -70,7 +63,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params, counted_rows_call,
                                     divide, launcher, multiply, multiply_add,
-                                    pairwise_row_sum, store_block)
+                                    pairwise_sums_for, row_sum, store_block)
 
 SOFTMAX, LOG_SOFTMAX, LOGSUMEXP = "softmax", "log_softmax", "logsumexp"
 KINDS = (SOFTMAX, LOG_SOFTMAX, LOGSUMEXP)
@@ -78,7 +71,7 @@ KINDS = (SOFTMAX, LOG_SOFTMAX, LOGSUMEXP)
 @dataclasses.dataclass(frozen=True)
 class SoftmaxTiles:
   """Rows per program, sub-chunk width W (both powers of two), Triton warps, and
-  whether row sums are ``pairwise_row_sum``'s (module docstring)."""
+  whether row sums are pairwise (``_common.row_sum``)."""
   block_rows: int
   block_cols: int
   num_warps: int
@@ -113,10 +106,6 @@ GPU_WHOLE_VOCAB_LOGITS = 1 << 28
 INTERPRET_WHOLE_VOCAB_LOGITS = 1 << 11
 WHOLE_VOCAB_ALIGN = 64
 
-# Rows of a multiple of this many elements are 16-byte aligned in every dtype
-# (module docstring, "Row sums and the pitch").
-ALIGNED_ROW_ELEMENTS = 8
-
 # The token finalize kernel is elementwise: any block gives the same bits.
 FINALIZE_TILES = SoftmaxTiles(128, 1, 4)
 
@@ -125,7 +114,7 @@ def softmax_tiles(length: int, *, interpret: bool) -> SoftmaxTiles:
   """Tiles for rows of ``length`` columns (any input dtype: blocks are float32
   after the load); never a function of the row count."""
   width = pl.next_power_of_2(max(length, MIN_COLS))
-  pairwise = length % ALIGNED_ROW_ELEMENTS != 0
+  pairwise = pairwise_sums_for(length)
   if interpret:
     return SoftmaxTiles(INTERPRET_BLOCK_ROWS, min(width, INTERPRET_MAX_COLS), 4, pairwise)
   if length > GPU_ONE_BLOCK:
@@ -156,12 +145,6 @@ def token_whole_vocab(rows: int, vocab: int, *, interpret: bool) -> bool:
 def _shift(m):
   """The max to subtract: 0 where it is -inf (all -inf so far: exp gives 0, not NaN)."""
   return jnp.where(m == -jnp.inf, 0.0, m)
-
-
-def row_sum(x, *, pairwise: bool, native: bool):
-  """[block_rows, W] -> [block_rows, 1]: the one row sum of every kernel here
-  (module docstring, "Row sums and the pitch")."""
-  return pairwise_row_sum(x, native=native) if pairwise else jnp.sum(x, axis=1, keepdims=True)
 
 
 def online_update(m, s, x, *, pairwise: bool, native: bool):

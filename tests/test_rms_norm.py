@@ -238,7 +238,7 @@ def test_tile_rule_depends_on_h_only_and_suits_triton():
     assert dw.block_cols == min(kernels.GPU_DWEIGHT_TILES.block_cols, pl.next_power_of_2(h))
 
 
-GPU_H_SWEEP = (1, 7, 96, 1000, 4096, 5000, 8192, 16384, 20000)
+GPU_H_SWEEP = (1, 7, 96, 1000, 1001, 4096, 5000, 8192, 10001, 16384, 20000)
 
 
 @pytest.mark.gpu
