@@ -266,7 +266,8 @@ def _rms_norm_residual_rows(x, residual, weight):
 
 def rms_norm_trial(trial: Trial) -> None:
   case_rng, rng = trial.case_rng, trial.rng
-  h = _pick(case_rng, (1, 7, 64, 200) if not ON_GPU else (64, 1000, 4096, 8192, 16384))
+  # GPU: aligned and odd widths over one and several chunks (_common.row_sum's two kinds).
+  h = _pick(case_rng, (1, 7, 64, 200) if not ON_GPU else (64, 1000, 4096, 8192, 10001, 16384))
   rows = int(case_rng.integers(1, 25 if not ON_GPU else 300))
   dtype, weight_dtype = _pick(case_rng, DTYPES), _pick(case_rng, DTYPES)
   fused = bool(case_rng.integers(2))
@@ -281,7 +282,9 @@ def rms_norm_trial(trial: Trial) -> None:
 def softmax_trial(trial: Trial) -> None:
   case_rng, rng = trial.case_rng, trial.rng
   name = _pick(case_rng, tuple(SOFTMAX_OPS))
-  n = _pick(case_rng, (1, 5, 64, 600) if not ON_GPU else (1000, 8192, 32000, 151936))
+  # GPU: aligned and odd lengths over one and several sub-chunks (_common.row_sum's two kinds).
+  n = _pick(case_rng, (1, 5, 64, 600) if not ON_GPU else (1000, 8192, 8193, 32000, 50257,
+                                                            151936))
   rows = int(case_rng.integers(1, 25 if not ON_GPU else 300))
   dtype = _pick(case_rng, DTYPES)
   scale = _pick(case_rng, (1.0, 8.0))
