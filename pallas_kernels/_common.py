@@ -201,10 +201,10 @@ def pairwise_row_sum(x, *, native: bool):
   Every add has exactly two operands, so which thread holds which cannot change
   its result: the sum's bits do not depend on the register layout Triton picks
   for the block (which follows the alignment it can prove of the addresses and
-  masks), unlike ``jnp.sum``'s tree. Neighbours first: the levels within a
-  thread's contiguous columns need no data exchange. In interpret mode each
-  level is a value of its own (:func:`uncontracted`), or XLA:CPU merges the
-  levels' reductions into one of its own order."""
+  masks), unlike ``jnp.sum``'s tree. In interpret mode each level is a value of
+  its own (:func:`uncontracted`), or XLA:CPU merges the levels' reductions into
+  one of its own order. (The H100 timings of this order and of far halves first:
+  benchmarks/results/h100.md, twentieth session.)"""
   rows, width = x.shape
   if width & (width - 1):
     raise ValueError(f"pairwise_row_sum needs a power-of-two width, got {width}")
@@ -236,10 +236,10 @@ def row_sum(x, *, pairwise: bool, native: bool):
   ``ALIGNED_ROW_ELEMENTS`` every row is 16-byte aligned anyway, every array
   gets one layout and ``jnp.sum`` is safe. Elsewhere (``pairwise``, from
   :func:`pairwise_sums_for`) the sum must be :func:`pairwise_row_sum`, which no
-  layout changes: ``jnp.sum`` gave a one-row array other bits than the same row
-  in a batch on the H100 (softmax at L = 8193 and 50,257, rms_norm at
-  H = 10,001). The pairwise tree is 2-10% slower than ``jnp.sum`` on aligned
-  bfloat16 softmax rows, so it serves only where it must."""
+  layout changes (``jnp.sum`` gave a one-row array other bits than the same row
+  in a batch on the GPU; ``tests/test_softmax.py`` and ``tests/test_rms_norm.py``
+  check odd lengths). The pairwise tree is slower than ``jnp.sum`` where both are
+  safe, so it serves only where it must."""
   return pairwise_row_sum(x, native=native) if pairwise else jnp.sum(x, axis=1, keepdims=True)
 
 
