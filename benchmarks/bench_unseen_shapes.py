@@ -26,10 +26,12 @@ def row_op_cases():
   """rms_norm, softmax/log_softmax, Sinkhorn and tri_inverse."""
   return [
       *registry.rms_norm_bench_cases(((3, 3584), (300, 5120), (777, 2048), (5000, 3584),
-                                      (12288, 5120), (4097, 8192), (1000, 896))),
+                                      (12288, 5120), (4097, 8192), (1000, 896),
+                                      (4096, 10001))),
       *registry.softmax_bench_cases(((1000, 32000, jnp.bfloat16), (3000, 50257, jnp.float32),
                                      (777, 4096, jnp.float32), (300, 128256, jnp.bfloat16),
-                                     (20000, 1000, jnp.float32))),
+                                     (20000, 1000, jnp.float32), (1024, 50257, jnp.bfloat16),
+                                     (4096, 32001, jnp.bfloat16))),
       *registry.sinkhorn_bench_cases(((5000, 4), (30001, 8), (100000, 4))),
       *registry.tri_inverse_bench_cases(((3000, 64), (20000, 32), (1000, 128)),
                                         baselines=("solve_triangular",)),
