@@ -80,9 +80,12 @@ def test_pairwise_row_sum_is_the_fixed_tree():
   want = _float32_tree(x)
   assert_bitwise_equal(jax.jit(functools.partial(pairwise_row_sum, native=False))(x), want,
                        what="jitted")
-  block = jax.ShapeDtypeStruct((16, 1), jnp.float32)
-  in_kernel = pl.pallas_call(lambda x_ref, o_ref: o_ref.__setitem__(
-      Ellipsis, pairwise_row_sum(x_ref[...], native=False)), out_shape=block, interpret=True)(x)
+
+  def kernel(x_ref, o_ref):
+    o_ref[...] = pairwise_row_sum(x_ref[...], native=False)
+
+  in_kernel = pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct((16, 1), jnp.float32),
+                             interpret=True)(x)
   assert_bitwise_equal(in_kernel, want, what="interpreted kernel")
   sequential = functools.reduce(np.add, np.asarray(x, np.float32).T)[:, None]
   assert not np.array_equal(want, sequential), "the data must tell the orders apart"
