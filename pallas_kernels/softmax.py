@@ -68,6 +68,7 @@ from pallas_kernels._common import (block_mask, cdiv, compiler_params, counted_r
 SOFTMAX, LOG_SOFTMAX, LOGSUMEXP = "softmax", "log_softmax", "logsumexp"
 KINDS = (SOFTMAX, LOG_SOFTMAX, LOGSUMEXP)
 
+
 @dataclasses.dataclass(frozen=True)
 class SoftmaxTiles:
   """Rows per program, sub-chunk width W (both powers of two), Triton warps, and
