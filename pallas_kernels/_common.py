@@ -197,20 +197,22 @@ def sum_in_order(terms):
 
 def pairwise_row_sum(x, *, native: bool):
   """Row sums of a [rows, W] block (W a power of two) as [rows, 1]: a balanced
-  tree fixed by the column index (level by level, columns 2j and 2j + 1 add).
-  Every add has exactly two operands, so which thread holds which cannot change
-  its result: the sum's bits do not depend on the register layout Triton picks
-  for the block (which follows the alignment it can prove of the addresses and
-  masks), unlike ``jnp.sum``'s tree. In interpret mode each level is a value of
-  its own (:func:`uncontracted`), or XLA:CPU merges the levels' reductions into
-  one of its own order. (The H100 timings of this order and of far halves first:
-  benchmarks/results/h100.md, twentieth session.)"""
+  tree fixed by the column index (level by level, column j adds column j + w/2
+  of the w columns left). Every add has exactly two operands, so which thread
+  holds which cannot change its result: the sum's bits do not depend on the
+  register layout Triton picks for the block (which follows the alignment it can
+  prove of the addresses and masks), unlike ``jnp.sum``'s tree. Far halves first:
+  in the unvectorised layout of an unaligned row a thread holds columns one
+  warp-span apart, so the first levels add within threads. In interpret mode
+  each level is a value of its own (:func:`uncontracted`), or XLA:CPU merges the
+  levels' reductions into one of its own order. (The H100 timings of this order
+  and of neighbours first: benchmarks/results/h100.md, twentieth session.)"""
   rows, width = x.shape
   if width & (width - 1):
     raise ValueError(f"pairwise_row_sum needs a power-of-two width, got {width}")
   while width > 1:
     width //= 2
-    x = uncontracted(jnp.sum(x.reshape(rows, width, 2), axis=2), native=native)
+    x = uncontracted(jnp.sum(x.reshape(rows, 2, width), axis=1), native=native)
   return x
 
 
