@@ -206,7 +206,7 @@ def pairwise_row_sum(x, *, native: bool):
   warp-span apart, so the first levels add within threads. In interpret mode
   each level is a value of its own (:func:`uncontracted`), or XLA:CPU merges the
   levels' reductions into one of its own order. (The H100 timings of this order
-  and of neighbours first: benchmarks/results/h100.md, twentieth session.)"""
+  and of neighbours first: benchmarks/results/h100.md, twentieth and twenty-first sessions.)"""
   rows, width = x.shape
   if width & (width - 1):
     raise ValueError(f"pairwise_row_sum needs a power-of-two width, got {width}")
