@@ -18,6 +18,18 @@ def cdiv(a: int, b: int) -> int:
   return -(-a // b)
 
 
+def mosaic_gpu():
+  """Pallas Mosaic GPU, imported on first use: it needs absl-py, which jax does
+  not (the ``cuda`` extras install it). Only the H100 kernels use it."""
+  try:
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+  except ModuleNotFoundError as e:
+    raise ImportError(
+        f"jdet's H100 kernels need Pallas Mosaic GPU, which failed to import ({e}); "
+        "install the GPU extras: python3 -m pip install -e '.[cuda]'") from e
+  return plgpu
+
+
 def bucketed_grid(programs: int) -> int:
   """A grid of at least ``programs`` programs, from few sizes: ``programs`` itself
   up to 8, then the next of 8, 10, 12, 14, 16, 20, 24, 28, 32, ... (four steps
@@ -267,6 +279,18 @@ def reciprocal(x, *, approx: bool):
   return _ptx_f32("rcp.approx.ftz.f32 $0, $1;", x) if approx else 1.0 / x
 
 
+def log2_approx(x, *, native: bool):
+  """Elementwise float32 base-2 logarithm, inside a kernel. On the GPU
+  (``native``) one ``lg2.approx.ftz.f32`` (at most 2^-22 from the exact value
+  near 1), an instruction a Mosaic GPU kernel issues too; ``jnp.log2`` would lower
+  to libdevice's longer ``log2f``. In interpret mode ``jnp.log2``, a value of its
+  own (:func:`uncontracted`). Either way a value's bits depend on that value alone.
+  """
+  if native:
+    return _ptx_f32("lg2.approx.ftz.f32 $0, $1;", x)
+  return uncontracted(jnp.log2(x), native=False)
+
+
 def uncontracted(x, *, native: bool):
   """``x`` as a value of its own in interpret mode, so that XLA:CPU cannot
   contract the multiply that made it into a later add or subtraction (one FMA),
@@ -378,7 +402,9 @@ __all__ = [
     "dot_f32",
     "launcher",
     "load_block",
+    "log2_approx",
     "lookup_tiles",
+    "mosaic_gpu",
     "multiply",
     "multiply_add",
     "uncontracted",

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import cdiv, pad_axis
+from pallas_kernels._common import cdiv, mosaic_gpu, pad_axis
 from pallas_kernels.matmul import BLOCK_K, Layout, fit_stages
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -110,20 +110,9 @@ ROW_TILES: tuple[HopperTiles, ...] = (
 LADDER_ROWS = 128
 
 
-def _plgpu():
-  """Pallas Mosaic GPU, imported on first use (it needs absl-py, which jax does not)."""
-  try:
-    from jax.experimental.pallas import mosaic_gpu
-  except ModuleNotFoundError as e:
-    raise ImportError(
-        f"jdet.matmul's H100 kernel needs Pallas Mosaic GPU, which failed to import ({e}); "
-        "install the GPU extras: python3 -m pip install -e '.[cuda]'") from e
-  return mosaic_gpu
-
-
 def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
             rows: int, cols: int, k_steps: int):
-  plgpu = _plgpu()
+  plgpu = mosaic_gpu()
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
   bm, bn = tiles.block_m, tiles.block_n
   cta_n = tiles.block_cols
@@ -264,7 +253,7 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
 
 def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles, rows: int, cols: int,
             k_steps: int):
-  plgpu = _plgpu()
+  plgpu = mosaic_gpu()
   kernel = functools.partial(_kernel, layout=layout, tiles=tiles, rows=rows, cols=cols,
                              k_steps=k_steps)
   return plgpu.kernel(
