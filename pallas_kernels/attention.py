@@ -22,10 +22,10 @@ the row sits in its tile):
     cores from the same rounded probabilities that multiply V
     (``max_j (p @ ones[block_k, 16])[:, j]``: 16 equal columns, max is exact).
     Chunk states are merged into the running total in increasing chunk order
-    by :func:`_merge`, then the total is normalised by :func:`_finalize`. The
+    by :func:`merge_states`, then the total is normalised by :func:`finalize_state`. The
     prefill kernel merges in-kernel; the split kernel writes each chunk's float32
     state and :func:`attention_combine_kernel` merges them with the same
-    :func:`_merge` and :func:`_finalize`. So both paths give the same bits.
+    :func:`merge_states` and :func:`finalize_state`. So both paths give the same bits.
   * A block or a chunk that is fully masked for a row is an exact no-op on that
     row's state (alpha = exp2(0) = 1, p = 0, a fused multiply-add with 0), so
     loop bounds (causal skipping, the valid length, the tile's last row) may
@@ -45,12 +45,14 @@ the row sits in its tile):
     ``mul.rn.f32``, the state updates (``l * alpha + l_block``,
     ``acc * alpha + p @ V`` and the merge's) one ``fma.rn.f32`` each, the
     normalisation ``acc / l`` ``div.rn.f32`` (``multiply``, ``multiply_add``,
-    ``divide``). Neither LLVM nor ptxas contracts such an instruction, whereas
-    a plain ``mul.f32`` feeding an ``add.f32`` may become an FMA or not
-    depending on the code around it; so one line of Python rounds the same in
-    every kernel that runs it. In interpret mode the products go through
-    ``uncontracted`` so XLA:CPU cannot contract them differently in different
-    programs.
+    ``divide``), the exponentials ``ex2.approx.ftz.f32`` (libdevice's ``exp2f``)
+    and the log-sum-exp's logarithm ``lg2.approx.ftz.f32`` (:class:`Float32Ops`
+    names them per kernel language). Neither LLVM nor ptxas contracts such an
+    instruction, whereas a plain ``mul.f32`` feeding an ``add.f32`` may become
+    an FMA or not depending on the code around it; so one line of Python
+    rounds the same in every kernel that runs it. In interpret mode the
+    products go through ``uncontracted`` so XLA:CPU cannot contract them
+    differently in different programs.
   * At a given row count, the prefill, split and combine kernels launch with
     the same warps (the split path may prefetch more stages, which changes no
     arithmetic), and the prefill and split kernels issue the same dots from
@@ -60,7 +62,10 @@ the row sits in its tile):
     HIGHEST, FMAs in increasing k), never TF32.
 
 Kernels:
-  * :func:`attention_forward_kernel` - prefill: all chunks of a row tile.
+  * :func:`attention_forward_kernel` - prefill: all chunks of a row tile. On
+    an H100 a large prefill runs instead on the Mosaic GPU kernel of
+    :mod:`pallas_kernels.attention_hopper`, which gives its bits
+    (:func:`use_mosaic_prefill`).
   * :func:`attention_split_kernel` - one chunk of a row tile (decode: parallel
     over the key sequence); :func:`attention_combine_kernel` merges them.
   * :func:`attention_delta_kernel`, :func:`attention_dkdv_kernel`,
@@ -74,6 +79,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -82,8 +88,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._common import (block_mask, cdiv, compiler_params, divide, dot_f32, launcher,
-                                    load_block, lookup_tiles, multiply, multiply_add,
-                                    store_block, uncontracted)
+                                    load_block, log2_approx, lookup_tiles, multiply,
+                                    multiply_add, store_block, uncontracted)
+from pallas_kernels.matmul_plan import Device
 
 LOG2E = math.log2(math.e)
 ONES_COLUMNS = 16  # width of the ones matrix whose product gives the row sums
@@ -213,31 +220,60 @@ def _empty_state(rows: int, width: int):
           jnp.zeros((rows, width), jnp.float32))
 
 
-def _merge(total, part, native: bool):
+@dataclasses.dataclass(frozen=True)
+class Float32Ops:
+  """The float32 operations of :func:`merge_states` and :func:`finalize_state`,
+  one set per kernel language, each rounding exactly as the numerics contract
+  says (module docstring): ``mul`` and ``fma`` rounded once (``mul.rn``,
+  ``fma.rn``), ``div`` IEEE, ``exp2`` and ``log2`` the approximate base-2
+  instructions with subnormals flushed (``ex2.approx.ftz``, ``lg2.approx.ftz``),
+  and ``rows(x, shape)`` a [rows] vector broadcast along the columns of a
+  [rows, W] block. The Mosaic GPU prefill kernel has its own set
+  (:mod:`pallas_kernels.attention_hopper`); both give the same bits."""
+  mul: Callable
+  fma: Callable
+  div: Callable
+  exp2: Callable
+  log2: Callable
+  rows: Callable
+
+
+@functools.cache
+def triton_ops(native: bool) -> Float32Ops:
+  """The Triton kernels' :class:`Float32Ops` (``native``: on the GPU, else interpret
+  mode). ``jnp.exp2`` lowers to libdevice's ``exp2f``, which is ``ex2.approx.ftz``."""
+  return Float32Ops(
+      mul=functools.partial(multiply, native=native),
+      fma=functools.partial(multiply_add, fused=native),
+      div=functools.partial(divide, native=native),
+      exp2=jnp.exp2,
+      log2=functools.partial(log2_approx, native=native),
+      rows=lambda x, shape: x[:, None])
+
+
+def merge_states(total, part, ops: Float32Ops):
   """Merges a chunk's (m, l, acc) into the running total: the one merge of every
   path. Merging an empty chunk (-inf, 0, 0) leaves the total's bits unchanged."""
   m_tot, l_tot, acc_tot = total
   m_part, l_part, acc_part = part
   m_new = jnp.maximum(m_tot, m_part)
   shift = _finite_or_zero(m_new)
-  alpha = jnp.exp2(m_tot - shift)
-  beta = jnp.exp2(m_part - shift)
-  l_new = multiply_add(l_tot, alpha, multiply(l_part, beta, native=native), fused=native)
-  acc_new = multiply_add(acc_tot, alpha[:, None], multiply(acc_part, beta[:, None], native=native),
-                         fused=native)
+  alpha = ops.exp2(m_tot - shift)
+  beta = ops.exp2(m_part - shift)
+  l_new = ops.fma(l_tot, alpha, ops.mul(l_part, beta))
+  acc_new = ops.fma(acc_tot, ops.rows(alpha, acc_tot.shape),
+                    ops.mul(acc_part, ops.rows(beta, acc_tot.shape)))
   return m_new, l_new, acc_new
 
 
-def _finalize(state, native: bool):
+def finalize_state(state, ops: Float32Ops):
   """(m, l, acc) -> (acc / l, base-2 log-sum-exp). A row without a valid key
-  gives zeros and a log-sum-exp of +inf (the backward then recomputes p = 0).
-  The division is IEEE (``div.rn.f32``) on the GPU."""
+  gives zeros and a log-sum-exp of +inf (the backward then recomputes p = 0)."""
   m, l, acc = state
   has_keys = l > 0
-  out = divide(acc, jnp.where(has_keys, l, 1.0)[:, None], native=native)
-  log_l = uncontracted(jnp.log2(jnp.where(has_keys, l, 1.0)), native=native)
-  lse = jnp.where(has_keys, log_l + m,
-                  jnp.inf)
+  l_or_one = jnp.where(has_keys, l, 1.0)
+  out = ops.div(acc, ops.rows(l_or_one, acc.shape))
+  lse = jnp.where(has_keys, ops.log2(l_or_one) + m, jnp.inf)
   return out, lse
 
 
@@ -365,11 +401,11 @@ def attention_forward_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, o_ref, lse
     part = _chunk_state(q, k_ref, v_ref, base=0, first_block=first,
                         end_block=jnp.minimum(first + blocks_per_chunk, num_blocks),
                         clear_end=clear_end, row_pos=row_pos, key_limit=key_limit, st=st)
-    return _merge(total, part, st.native)
+    return merge_states(total, part, triton_ops(st.native))
 
   num_chunks = (bound + tiles.chunk_k - 1) // tiles.chunk_k
   total = lax.fori_loop(0, num_chunks, chunk, _empty_state(tiles.block_q, st.width))
-  out, lse = _finalize(total, st.native)
+  out, lse = finalize_state(total, triton_ops(st.native))
   store_block(o_ref, out.astype(o_ref.dtype), rows=rows_ok, cols=st.head_cols)
   _store_rows(lse_ref, lse, rows_ok)
 
@@ -455,13 +491,13 @@ def attention_combine_kernel(lens_ref, offs_ref, m_ref, l_ref, acc_ref, o_ref, l
     total, parts = carry
     upcoming = load_group(g + 1)  # in flight while this group merges
     for part in parts:
-      total = _merge(total, part, st.native)
+      total = merge_states(total, part, triton_ops(st.native))
     return total, upcoming
 
   num_chunks = (bound + tiles.chunk_k - 1) // tiles.chunk_k
   total, _ = lax.fori_loop(0, (num_chunks + COMBINE_UNROLL - 1) // COMBINE_UNROLL, chunk_group,
                            (_empty_state(bq, cols), load_group(0)))
-  out, lse = _finalize(total, st.native)
+  out, lse = finalize_state(total, triton_ops(st.native))
   store_block(o_ref, out.astype(o_ref.dtype), rows=rows_ok, cols=head_cols)
 
   @pl.when(col_tile == 0)
@@ -634,26 +670,61 @@ def _rows_spec(block: int, width: int | None = None):
   return pl.BlockSpec((None, None, block, width), lambda i, b, h: (b, h, i, 0))
 
 
+# The head size at which the Mosaic GPU prefill beats the Triton one on the H100.
+MOSAIC_PREFILL_HEAD_DIM = 128
+
+
+def use_mosaic_prefill(batch: int, rows: int, kv_heads: int, dtype, head_dim: int,
+                       tiles: AttentionTiles, *, interpret: bool,
+                       device: Device | None = None) -> bool:
+  """Whether a prefill of ``rows`` packed rows per (sequence, kv head) runs on the
+  Mosaic GPU kernel (:mod:`pallas_kernels.attention_hopper`) rather than the
+  Triton one: on an H100, for inputs and tiles it takes, at head size 128, with
+  128 rows or more (a decode step's few rows take Triton's smaller row tile) and
+  at least a wave of its 128-row tiles. With fewer tiles (B = 1, T = 300, 28
+  heads: 68) or at head size 64 it ran slower than Triton on the H100
+  (benchmarks/results/h100.md, twenty-first session). A function of shapes only;
+  both kernels give the same bits."""
+  from pallas_kernels import attention_hopper
+  if interpret:
+    return False
+  device = device or Device.current()
+  tiles_of_rows = cdiv(rows, attention_hopper.CTA_ROWS) * batch * kv_heads
+  return (device.is_hopper and head_dim == MOSAIC_PREFILL_HEAD_DIM
+          and rows >= attention_hopper.CTA_ROWS and tiles_of_rows >= device.sm_count
+          and attention_hopper.supported(dtype, head_dim, tiles))
+
+
 @launcher
 def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: bool,
-                      tiles: AttentionTiles, interpret: bool, split: bool | None = None):
+                      tiles: AttentionTiles, interpret: bool, split: bool | None = None,
+                      mosaic: bool | None = None):
   """Forward attention.
 
   q: [B, T, N, H]; k, v: [B, S, K, H] (N a multiple of K); kv_lengths,
   q_offsets: [B] int32. ``split=None`` picks the prefill or the split-KV path
-  by :func:`use_split` (same bits either way). Returns (out [B, T, N, H] in q's
-  dtype, base-2 log-sum-exp [B, K, T * N // K] float32, +inf for a row without
-  a valid key).
+  by :func:`use_split`, and ``mosaic=None`` the prefill's kernel by
+  :func:`use_mosaic_prefill` (same bits every way). Returns (out [B, T, N, H]
+  in q's dtype, base-2 log-sum-exp [B, K, T * N // K] float32, +inf for a row
+  without a valid key).
   """
   b, t, n, h = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
-  tiles = tiles.for_rows(t * (n // kv_heads))
+  rows = t * (n // kv_heads)
+  if split is None:
+    split = use_split(rows, b, kv_heads, s, tiles.for_rows(rows))
+  if mosaic is None:
+    mosaic = not split and use_mosaic_prefill(b, rows, kv_heads, q.dtype, h, tiles,
+                                              interpret=interpret)
+  if mosaic:
+    from pallas_kernels import attention_hopper
+    return attention_hopper.attention_forward(q, k, v, kv_lengths, q_offsets, scale=scale,
+                                              causal=causal, tiles=tiles)
+  tiles = tiles.for_rows(rows)
   st = _static(q, k, scale=scale, causal=causal, tiles=tiles, interpret=interpret)
   qp = pack_rows(q, kv_heads)
-  rows, width, bq = st.rows, st.width, tiles.block_q
+  width, bq = st.width, tiles.block_q
   row_tiles = cdiv(rows, bq)
-  if split is None:
-    split = use_split(rows, b, kv_heads, s, tiles)
   out_shapes = (jax.ShapeDtypeStruct((b, kv_heads, rows, h), q.dtype),
                 jax.ShapeDtypeStruct((b, kv_heads, rows), jnp.float32))
   out_specs = (_rows_spec(bq, width), _rows_spec(bq))

@@ -18,6 +18,7 @@ import pytest
 import jdet
 from jdet.testing import assert_bitwise_equal, random_normal, relative_error
 from pallas_kernels import attention as kernels
+from pallas_kernels import attention_hopper
 from jdet.bench import on_gpu
 
 B, S, N, K, H = 3, 24, 4, 2, 16  # GQA: two query heads per kv head
@@ -303,6 +304,27 @@ def test_few_rows_take_a_smaller_row_tile():
       assert dataclasses.replace(got, block_q=tiles.block_q, num_warps=tiles.num_warps) == tiles
 
 
+def test_mosaic_prefill_rule():
+  """The H100 prefill (Mosaic GPU) serves 16-bit prefills at head size 128 with at
+  least a wave of its 128-row tiles; everything else stays on Triton."""
+  h100, a100 = kernels.Device("gpu", "9.0", 132), kernels.Device("gpu", "8.0", 108)
+  bf16, f32 = jnp.bfloat16, jnp.float32
+
+  def rule(batch, t, heads, kv_heads, head_dim=128, dtype=bf16, device=h100, interpret=False):
+    tiles = kernels.attention_tiles(head_dim, dtype, interpret=interpret)
+    return kernels.use_mosaic_prefill(batch, t * heads // kv_heads, kv_heads, dtype, head_dim,
+                                      tiles, interpret=interpret, device=device)
+
+  assert rule(1, 4096, 32, 8) and rule(8, 512, 32, 8) and rule(4, 1000, 28, 4)
+  assert rule(1, 4096, 32, 8, dtype=jnp.float16)
+  assert not rule(1, 300, 28, 4)  # 68 row tiles for 132 SMs
+  assert not rule(64, 1, 32, 8)  # decode: 4 rows a (sequence, kv head)
+  assert not rule(2, 1000, 16, 16, head_dim=64)
+  assert not rule(1, 4096, 32, 8, dtype=f32)
+  assert not rule(1, 4096, 32, 8, device=a100)
+  assert not rule(1, 4096, 32, 8, interpret=True)
+
+
 def _cuda_lowering_available():
   try:
     jax.jit(lambda x: x).trace(jnp.zeros(1)).lower(lowering_platforms=("cuda",))
@@ -315,15 +337,20 @@ def _cuda_lowering_available():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_kernels_lower_for_cuda(dtype, head_dim):
+  """Every kernel lowers for the GPU, the H100 prefill (Mosaic GPU) too where it
+  takes the inputs, with a sequence length that TMA's 8-key tiles do not divide."""
   if not _cuda_lowering_available():
     pytest.skip("jax's CUDA plugin is not installed")
   sd = jax.ShapeDtypeStruct
-  q, kv = sd((2, 300, 8, head_dim), dtype), sd((2, 1000, 2, head_dim), dtype)
+  q, kv = sd((2, 300, 8, head_dim), dtype), sd((2, 1001, 2, head_dim), dtype)
   ints = sd((2,), jnp.int32)
   tiles = kernels.attention_tiles(head_dim, dtype, interpret=False)
   static = dict(scale=0.1, causal=True, tiles=tiles, interpret=False)
-  for split in (False, True):
-    fwd = functools.partial(kernels.attention_forward, split=split, **static)
+  paths = [dict(split=False, mosaic=False), dict(split=True)]
+  if attention_hopper.supported(dtype, head_dim, tiles):
+    paths.append(dict(split=False, mosaic=True))
+  for path in paths:
+    fwd = functools.partial(kernels.attention_forward, **path, **static)
     jax.jit(fwd).trace(q, kv, kv, ints, ints).lower(lowering_platforms=("cuda",))
   bwd = functools.partial(kernels.attention_backward, **static)
   lse = sd((2, 2, 1200), jnp.float32)
@@ -357,3 +384,36 @@ def test_gpu_prefill_decode_chunked_split(dtype):
   alone = attend(q[1:], k[1:], v[1:], lengths[1:], _zeros(1))
   assert_bitwise_equal(alone[0], whole[1], what="sequence 1 alone")
 
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gpu_mosaic_prefill_equals_triton_prefill(dtype):
+  """The H100 prefill (Mosaic GPU) gives the Triton prefill's bits, output and
+  log-sum-exp: causal and not, GQA, MQA and MHA, head sizes 64 and 128, packed
+  rows that fill no whole tile, key lengths that TMA's 8-key tiles do not divide,
+  padded caches with NaN past each sequence's length, and query offsets."""
+  if not kernels.Device.current().is_hopper:
+    pytest.skip("the Mosaic GPU prefill runs on an H100 (sm_90) only")
+  rng = np.random.default_rng(5)
+  for batch, t, seq, heads, kv_heads, head_dim, causal in [
+      (2, 333, 1001, 8, 2, 128, True), (3, 200, 777, 4, 4, 64, True),
+      (2, 1000, 1000, 8, 1, 128, False), (1, 512, 4096, 16, 2, 64, True)]:
+    q = random_normal(rng, (batch, t, heads, head_dim), dtype)
+    k = random_normal(rng, (batch, seq, kv_heads, head_dim), dtype)
+    v = random_normal(rng, (batch, seq, kv_heads, head_dim), dtype)
+    lengths = jnp.asarray(rng.integers(t, seq + 1, batch), jnp.int32)
+    valid = jnp.arange(seq)[None, :, None, None] < lengths[:, None, None, None]
+    k, v = (jnp.where(valid, x, jnp.asarray(np.nan, dtype)) for x in (k, v))
+    offsets = lengths - t if causal else jnp.asarray(rng.integers(0, 50, batch), jnp.int32)
+    tiles = kernels.attention_tiles(head_dim, dtype, interpret=False)
+    outs = {}
+    for mosaic in (True, False):
+      fwd = jax.jit(functools.partial(kernels.attention_forward, scale=head_dim ** -0.5,
+                                      causal=causal, tiles=tiles, interpret=False, split=False,
+                                      mosaic=mosaic))
+      outs[mosaic] = fwd(q, k, v, lengths, offsets)
+    what = f"B={batch} T={t} S={seq} N={heads} K={kv_heads} H={head_dim} causal={causal}"
+    assert not np.isnan(np.asarray(outs[True][0], np.float32)).any(), what
+    assert_bitwise_equal(outs[True][0], outs[False][0], what=f"output, {what}")
+    assert_bitwise_equal(outs[True][1], outs[False][1], what=f"log-sum-exp, {what}")
