@@ -363,22 +363,29 @@ def _chunk_state(q, k_ref, v_ref, *, base, first_block, end_block, clear_end, ro
   return lax.fori_loop(middle, end_block, functools.partial(step, masked=True), state)
 
 
+def tile_key_bounds(row_start, block_rows: int, kv_len, offset, st: _Static):
+  """(key limit, key bound, clear_end) of the row tile of ``block_rows`` packed
+  rows from ``row_start`` (the first of them inside the array): keys at or past
+  the limit are invalid, no row of the tile sees a key at or past the bound, and
+  the key blocks below ``clear_end`` hold only keys every row of the tile sees."""
+  key_limit = _key_limit(kv_len, st.seq)
+  bound = clear = key_limit
+  if st.causal:
+    last_row = jnp.minimum(row_start + block_rows, st.rows) - 1
+    bound = _causal_limit(key_limit, offset, last_row, st.group)
+    clear = _causal_limit(key_limit, offset, row_start, st.group)
+  return key_limit, bound, clear // st.tiles.block_k
+
+
 def _tile_setup(lens_ref, offs_ref, q_ref, row_tile, st: _Static):
   """The tile's query block, row positions/mask and its key bounds."""
   bq = st.tiles.block_q
   row_start = row_tile * bq
   offset = offs_ref[0]
-  key_limit = _key_limit(lens_ref[0], st.seq)
   rows_ok = block_mask(row_start, bq, st.rows) if st.rows % bq else None
   q = load_block(q_ref, rows=rows_ok, cols=st.head_cols)
   row_pos = _row_positions(row_start, bq, st.group, offset)
-  bound = key_limit
-  clear = key_limit
-  if st.causal:
-    bound = _causal_limit(key_limit, offset, jnp.minimum(row_start + bq, st.rows) - 1, st.group)
-    clear = _causal_limit(key_limit, offset, row_start, st.group)
-  # Key blocks below clear_end hold only keys every row of the tile sees.
-  clear_end = clear // st.tiles.block_k
+  key_limit, bound, clear_end = tile_key_bounds(row_start, bq, lens_ref[0], offset, st)
   return q, rows_ok, row_pos, key_limit, bound, clear_end
 
 

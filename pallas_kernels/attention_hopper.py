@@ -106,17 +106,13 @@ def _empty(width: int):
 
 
 def _bounds(wg, kv_len, offset, row_tile, st: tri._Static):
-  """A consumer's first row, key limit, key blocks and first masked block: those
-  of the Triton row tile it computes (``attention._tile_setup``)."""
+  """A consumer's first row, key limit, key blocks and first masked block
+  (:func:`~pallas_kernels.attention.tile_key_bounds` of its 64 rows; none for
+  rows wholly past the array)."""
   row_start = (row_tile * 2 + wg) * ROWS
-  key_limit = tri._key_limit(kv_len, st.seq)
-  bound = clear = key_limit
-  if st.causal:
-    bound = tri._causal_limit(key_limit, offset, jnp.minimum(row_start + ROWS, st.rows) - 1,
-                              st.group)
-    clear = tri._causal_limit(key_limit, offset, row_start, st.group)
+  key_limit, bound, clear_end = tri.tile_key_bounds(row_start, ROWS, kv_len, offset, st)
   bound = jnp.where(row_start < st.rows, bound, 0)
-  return row_start, key_limit, (bound + BLOCK_K - 1) // BLOCK_K, clear // BLOCK_K
+  return row_start, key_limit, (bound + BLOCK_K - 1) // BLOCK_K, clear_end
 
 
 def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tri._Static):
