@@ -364,17 +364,17 @@ def _chunk_state(q, k_ref, v_ref, *, base, first_block, end_block, clear_end, ro
 
 
 def tile_key_bounds(row_start, block_rows: int, kv_len, offset, st: _Static):
-  """(key limit, key bound, clear_end) of the row tile of ``block_rows`` packed
-  rows from ``row_start`` (the first of them inside the array): keys at or past
-  the limit are invalid, no row of the tile sees a key at or past the bound, and
-  the key blocks below ``clear_end`` hold only keys every row of the tile sees."""
+  """(key limit, bound, clear) of the tile of ``block_rows`` packed rows from
+  ``row_start`` (the first of them inside the array): keys at or past the limit
+  are invalid, no row of the tile sees a key at or past the bound, and every row
+  sees every key below ``clear``."""
   key_limit = _key_limit(kv_len, st.seq)
   bound = clear = key_limit
   if st.causal:
     last_row = jnp.minimum(row_start + block_rows, st.rows) - 1
     bound = _causal_limit(key_limit, offset, last_row, st.group)
     clear = _causal_limit(key_limit, offset, row_start, st.group)
-  return key_limit, bound, clear // st.tiles.block_k
+  return key_limit, bound, clear
 
 
 def _tile_setup(lens_ref, offs_ref, q_ref, row_tile, st: _Static):
@@ -385,8 +385,8 @@ def _tile_setup(lens_ref, offs_ref, q_ref, row_tile, st: _Static):
   rows_ok = block_mask(row_start, bq, st.rows) if st.rows % bq else None
   q = load_block(q_ref, rows=rows_ok, cols=st.head_cols)
   row_pos = _row_positions(row_start, bq, st.group, offset)
-  key_limit, bound, clear_end = tile_key_bounds(row_start, bq, lens_ref[0], offset, st)
-  return q, rows_ok, row_pos, key_limit, bound, clear_end
+  key_limit, bound, clear = tile_key_bounds(row_start, bq, lens_ref[0], offset, st)
+  return q, rows_ok, row_pos, key_limit, bound, clear // st.tiles.block_k
 
 
 def attention_forward_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
@@ -472,9 +472,7 @@ def attention_combine_kernel(lens_ref, offs_ref, m_ref, l_ref, acc_ref, o_ref, l
   offset = offs_ref[0]
   rows_ok = block_mask(row_start, bq, st.rows) if st.rows % bq else None
   head_cols = None if st.width == st.head_dim else block_mask(col_tile * cols, cols, st.head_dim)
-  bound = _key_limit(lens_ref[0], st.seq)
-  if st.causal:
-    bound = _causal_limit(bound, offset, jnp.minimum(row_start + bq, st.rows) - 1, st.group)
+  _, bound, _ = tile_key_bounds(row_start, bq, lens_ref[0], offset, st)
   chunks = m_ref.shape[0]
 
   def load_group(g):
@@ -614,16 +612,13 @@ def attention_dq_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref
   bq, bk = tiles.bwd_block_q, tiles.bwd_block_k
   row_start = pl.program_id(0) * bq
   offset = offs_ref[0]
-  key_limit = _key_limit(lens_ref[0], st.seq)
+  key_limit, bound, clear = tile_key_bounds(row_start, bq, lens_ref[0], offset, st)
   rows_ok = block_mask(row_start, bq, st.rows) if st.rows % bq else None
   q = load_block(q_ref, rows=rows_ok, cols=st.head_cols)
   do = load_block(do_ref, rows=rows_ok, cols=st.head_cols)
   lse = _load_rows(lse_ref, rows_ok, jnp.inf)
   delta = _load_rows(delta_ref, rows_ok, 0.0)
   row_pos = _row_positions(row_start, bq, st.group, offset)
-  bound = key_limit
-  if st.causal:
-    bound = _causal_limit(key_limit, offset, jnp.minimum(row_start + bq, st.rows) - 1, st.group)
 
   def step(kb, dq, masked):
     local = pl.multiple_of(kb * bk, bk)
@@ -638,9 +633,6 @@ def attention_dq_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref
     return dq + uncontracted(dot_f32(ds.astype(k.dtype), k, precision=st.precision),
                              native=st.native)
 
-  clear = key_limit
-  if st.causal:
-    clear = _causal_limit(key_limit, offset, row_start, st.group)
   num_blocks = (bound + bk - 1) // bk
   middle = jnp.minimum(clear // bk, num_blocks)  # key blocks below it: seen whole
   dq = lax.fori_loop(0, middle, functools.partial(step, masked=False),
@@ -679,26 +671,38 @@ def _rows_spec(block: int, width: int | None = None):
 
 # The head size at which the Mosaic GPU prefill beats the Triton one on the H100.
 MOSAIC_PREFILL_HEAD_DIM = 128
+# The Mosaic prefill's launcher passes over all S keys of V once (and of K, where
+# S is not a multiple of 8); the kernel's work grows as rows x T. It runs only
+# where rows x T is at least this many times S, which keeps that pass to a few
+# percent by this estimate (at B = 8, T = S = 512, 32 heads on 8 kv heads, the
+# pass included, it ran 1.07x the Triton prefill).
+MOSAIC_PREFILL_WORK_PER_KEY = 2048
 
 
-def use_mosaic_prefill(batch: int, rows: int, kv_heads: int, dtype, head_dim: int,
-                       tiles: AttentionTiles, *, interpret: bool,
+def use_mosaic_prefill(q_shape, kv_shape, dtype, tiles: AttentionTiles, *, interpret: bool,
                        device: Device | None = None) -> bool:
-  """Whether a prefill of ``rows`` packed rows per (sequence, kv head) runs on the
-  Mosaic GPU kernel (:mod:`pallas_kernels.attention_hopper`) rather than the
-  Triton one: on an H100, for inputs and tiles it takes, at head size 128, with
-  128 rows or more (a decode step's few rows take Triton's smaller row tile) and
-  at least a wave of its 128-row tiles. With fewer tiles (B = 1, T = 300, 28
-  heads: 68) or at head size 64 it ran slower than Triton on the H100
+  """Whether the prefill of query [B, T, N, H] against keys [B, S, K, H] runs on
+  the Mosaic GPU kernel (:mod:`pallas_kernels.attention_hopper`) rather than the
+  Triton one. It does on an H100, for inputs and tiles it takes, at head size
+  128, with at least 128 packed rows (T x N / K) per (sequence, kv head) (a
+  decode step's few rows take Triton's smaller row tile), at least a wave of its
+  128-row tiles, and queries enough for the key length
+  (MOSAIC_PREFILL_WORK_PER_KEY: a short prefill into a long, preallocated cache
+  stays on Triton, which reads only the keys it needs). With fewer tiles (B = 1,
+  T = 300, 28 heads: 68) or at head size 64 it ran slower than Triton on the H100
   (benchmarks/results/h100.md, twenty-first session). A function of shapes only;
   both kernels give the same bits."""
   from pallas_kernels import attention_hopper
   if interpret:
     return False
   device = device or Device.current()
+  batch, t, heads, head_dim = q_shape
+  seq, kv_heads = kv_shape[1], kv_shape[2]
+  rows = t * (heads // kv_heads)
   tiles_of_rows = cdiv(rows, attention_hopper.CTA_ROWS) * batch * kv_heads
   return (device.is_hopper and head_dim == MOSAIC_PREFILL_HEAD_DIM
           and rows >= attention_hopper.CTA_ROWS and tiles_of_rows >= device.sm_count
+          and rows * t >= MOSAIC_PREFILL_WORK_PER_KEY * seq
           and attention_hopper.supported(dtype, head_dim, tiles))
 
 
@@ -721,8 +725,11 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
   if split is None:
     split = use_split(rows, b, kv_heads, s, tiles.for_rows(rows))
   if mosaic is None:
-    mosaic = not split and use_mosaic_prefill(b, rows, kv_heads, q.dtype, h, tiles,
+    mosaic = not split and use_mosaic_prefill(q.shape, k.shape, q.dtype, tiles,
                                               interpret=interpret)
+  if mosaic and split:
+    raise ValueError("attention_forward: the Mosaic GPU kernel runs the prefill path, not "
+                     "the split-KV one (mosaic=True needs split=False or None)")
   if mosaic:
     from pallas_kernels import attention_hopper
     return attention_hopper.attention_forward(q, k, v, kv_lengths, q_offsets, scale=scale,

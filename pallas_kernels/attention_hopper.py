@@ -110,9 +110,9 @@ def _bounds(wg, kv_len, offset, row_tile, st: tri._Static):
   (:func:`~pallas_kernels.attention.tile_key_bounds` of its 64 rows; none for
   rows wholly past the array)."""
   row_start = (row_tile * 2 + wg) * ROWS
-  key_limit, bound, clear_end = tri.tile_key_bounds(row_start, ROWS, kv_len, offset, st)
+  key_limit, bound, clear = tri.tile_key_bounds(row_start, ROWS, kv_len, offset, st)
   bound = jnp.where(row_start < st.rows, bound, 0)
-  return row_start, key_limit, (bound + BLOCK_K - 1) // BLOCK_K, clear_end
+  return row_start, key_limit, (bound + BLOCK_K - 1) // BLOCK_K, clear // BLOCK_K
 
 
 def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tri._Static):

@@ -9,8 +9,9 @@ along its columns once at the end by ``_common.row_sum`` (a pairwise tree where
 H is not a multiple of 8: the unpadded rows' register layout follows their
 alignment in the array, and the sum must not). Rows never mix: a row's bits
 depend on its own data, the weight and the tile, and the tile
-(:func:`rms_norm_tiles`) is a function of H alone, never of the row count. Rows past M (always masked,
-whatever M) and columns past H are read as 0 and not stored. The forward and dx
+(:func:`rms_norm_tiles`) is a function of H alone, never of the row count. Rows
+past M (always masked, whatever M) and columns past H are read as 0 and not
+stored. The forward and dx
 kernels read M from an operand on a bucketed grid (``_common.counted_rows_call``),
 the dweight sum the number of partials: one compiled kernel serves every M of a
 bucket.

@@ -310,19 +310,29 @@ def test_mosaic_prefill_rule():
   h100, a100 = kernels.Device("gpu", "9.0", 132), kernels.Device("gpu", "8.0", 108)
   bf16, f32 = jnp.bfloat16, jnp.float32
 
-  def rule(batch, t, heads, kv_heads, head_dim=128, dtype=bf16, device=h100, interpret=False):
+  def rule(batch, t, heads, kv_heads, head_dim=128, dtype=bf16, device=h100, interpret=False,
+           seq=None):
     tiles = kernels.attention_tiles(head_dim, dtype, interpret=interpret)
-    return kernels.use_mosaic_prefill(batch, t * heads // kv_heads, kv_heads, dtype, head_dim,
-                                      tiles, interpret=interpret, device=device)
+    return kernels.use_mosaic_prefill((batch, t, heads, head_dim),
+                                      (batch, seq or t, kv_heads, head_dim), dtype, tiles,
+                                      interpret=interpret, device=device)
 
   assert rule(1, 4096, 32, 8) and rule(8, 512, 32, 8) and rule(4, 1000, 28, 4)
-  assert rule(1, 4096, 32, 8, dtype=jnp.float16)
+  assert rule(1, 4096, 32, 8, dtype=jnp.float16) and rule(1, 2048, 32, 8, seq=4096)
   assert not rule(1, 300, 28, 4)  # 68 row tiles for 132 SMs
   assert not rule(64, 1, 32, 8)  # decode: 4 rows a (sequence, kv head)
+  assert not rule(8, 512, 32, 8, seq=32768)  # a short prefill into a long cache
   assert not rule(2, 1000, 16, 16, head_dim=64)
   assert not rule(1, 4096, 32, 8, dtype=f32)
   assert not rule(1, 4096, 32, 8, device=a100)
   assert not rule(1, 4096, 32, 8, interpret=True)
+  sd = jax.ShapeDtypeStruct
+  q, kv, ints = sd((1, 64, 4, 128), bf16), sd((1, 64, 2, 128), bf16), sd((1,), jnp.int32)
+  with pytest.raises(ValueError, match="split-KV"):
+    jax.eval_shape(functools.partial(
+        kernels.attention_forward, scale=0.1, causal=True, interpret=False, split=True,
+        mosaic=True, tiles=kernels.attention_tiles(128, bf16, interpret=False)), q, kv, kv, ints,
+        ints)
 
 
 def _cuda_lowering_available():
@@ -383,7 +393,6 @@ def test_gpu_prefill_decode_chunked_split(dtype):
     start += size
   alone = attend(q[1:], k[1:], v[1:], lengths[1:], _zeros(1))
   assert_bitwise_equal(alone[0], whole[1], what="sequence 1 alone")
-
 
 
 @pytest.mark.gpu
