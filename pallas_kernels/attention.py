@@ -377,6 +377,26 @@ def tile_key_bounds(row_start, block_rows: int, kv_len, offset, st: _Static):
   return key_limit, bound, clear
 
 
+def key_tile_row_bounds(key_start, block_keys: int, block_rows: int, key_limit, offset,
+                        st: _Static):
+  """(first, clear, end) in row blocks of ``block_rows`` packed rows, for the
+  ``block_keys`` keys from ``key_start``: the dK/dV kernels sum the row blocks
+  from first to end (all of them) in order, masking those before clear; row
+  blocks before first see none of these keys, those from clear on see all of
+  them, all valid. Keys wholly at or past the key limit get first = clear = end."""
+  end = cdiv(st.rows, block_rows)
+  first = 0
+  if st.causal:
+    first = jnp.clip((key_start - offset) * st.group, 0, st.rows) // block_rows
+  first = jnp.maximum(first, _int_select(key_start < key_limit, 0, end))
+  clear = first
+  if st.causal:
+    last_key_rows = jnp.maximum((key_start + block_keys - 1 - offset) * st.group, 0)
+    clear = jnp.clip((last_key_rows + block_rows - 1) // block_rows, first, end)
+  clear = jnp.maximum(clear, _int_select(key_start + block_keys <= key_limit, 0, end))
+  return first, clear, end
+
+
 def _tile_setup(lens_ref, offs_ref, q_ref, row_tile, st: _Static):
   """The tile's query block, row positions/mask and its key bounds."""
   bq = st.tiles.block_q
@@ -559,12 +579,8 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
   key_ok = keys < key_limit
   k = load_block(k_ref, rows=key_ok, cols=st.head_cols)
   v = load_block(v_ref, rows=key_ok, cols=st.head_cols)
-  num_row_blocks = cdiv(st.rows, bq)
-  first = 0
-  if st.causal:  # rows before the first that may see key_start contribute zeros
-    first = jnp.clip((key_start - offset) * st.group, 0, st.rows) // bq
-  # A key block past the valid keys has no work: start at the end.
-  first = jnp.maximum(first, _int_select(key_start < key_limit, 0, num_row_blocks))
+  first, clear_start, num_row_blocks = key_tile_row_bounds(key_start, bk, bq, key_limit, offset,
+                                                         st)
 
   def step(rb, carry, masked):
     dk, dv = carry
@@ -586,13 +602,6 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
                            native=st.native)
     return dk, dv
 
-  # Row blocks from clear_start on see every key of this block (all valid).
-  clear_start = first
-  if st.causal:
-    last_key_rows = jnp.maximum((key_start + bk - 1 - offset) * st.group, 0)
-    clear_start = jnp.clip((last_key_rows + bq - 1) // bq, first, num_row_blocks)
-  clear_start = jnp.maximum(clear_start, _int_select(key_start + bk <= key_limit, 0,
-                                                     num_row_blocks))
   zeros = jnp.zeros((bk, st.width), jnp.float32)
   carry = lax.fori_loop(first, clear_start, functools.partial(step, masked=True), (zeros, zeros))
   dk, dv = lax.fori_loop(clear_start, num_row_blocks, functools.partial(step, masked=False), carry)
@@ -706,6 +715,19 @@ def use_mosaic_prefill(q_shape, kv_shape, dtype, tiles: AttentionTiles, *, inter
           and attention_hopper.supported(dtype, head_dim, tiles))
 
 
+def use_mosaic_backward(q_shape, kv_shape, dtype, tiles: AttentionTiles, *, interpret: bool,
+                        device: Device | None = None) -> bool:
+  """Whether the backward's dK/dV and dQ kernels run on Mosaic GPU
+  (:func:`pallas_kernels.attention_hopper.attention_backward`) rather than
+  Triton: where the prefill does (:func:`use_mosaic_prefill`, the same passes
+  over K and V) and the Mosaic kernels take the backward tiles. A function of
+  shapes only; both give the same bits."""
+  from pallas_kernels import attention_hopper
+  return (use_mosaic_prefill(q_shape, kv_shape, dtype, tiles, interpret=interpret,
+                             device=device)
+          and attention_hopper.supported_backward(dtype, q_shape[3], tiles))
+
+
 @launcher
 def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: bool,
                       tiles: AttentionTiles, interpret: bool, split: bool | None = None,
@@ -802,12 +824,17 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
 
 @launcher
 def attention_backward(q, k, v, out, lse, dout, kv_lengths, q_offsets, *, scale: float,
-                       causal: bool, tiles: AttentionTiles, interpret: bool):
+                       causal: bool, tiles: AttentionTiles, interpret: bool,
+                       mosaic: bool | None = None):
   """Gradients of :func:`attention_forward` from its output and log-sum-exp.
 
   q, out, dout: [B, T, N, H]; k, v: [B, S, K, H]; lse: [B, K, T * N // K].
-  Returns (dq [B, T, N, H], dk, dv [B, S, K, H]) in the inputs' dtypes.
+  ``mosaic=None`` picks the dK/dV and dQ kernels (Triton or, on an H100, Mosaic
+  GPU: the same bits) by :func:`use_mosaic_backward`. Returns (dq [B, T, N, H],
+  dk, dv [B, S, K, H]) in the inputs' dtypes.
   """
+  if mosaic is None:
+    mosaic = use_mosaic_backward(q.shape, k.shape, q.dtype, tiles, interpret=interpret)
   b, t, _, _ = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
   st = _static(q, k, scale=scale, causal=causal, tiles=tiles, interpret=interpret)
@@ -825,6 +852,10 @@ def attention_backward(q, k, v, out, lse, dout, kv_lengths, q_offsets, *, scale:
       out_shape=jax.ShapeDtypeStruct((b, kv_heads, rows), jnp.float32),
       compiler_params=params, interpret=interpret, name="jdet_attention_delta",
   )(op, dop)
+  if mosaic:
+    from pallas_kernels import attention_hopper
+    return attention_hopper.attention_backward(q, k, v, dout, lse, delta, kv_lengths, q_offsets,
+                                               scale=scale, causal=causal, tiles=tiles)
   all_rows = row_blocks * bq
   whole_rows = (pl.BlockSpec((None, None, all_rows, width), lambda j, bi, hi: (bi, hi, 0, 0)),
                 pl.BlockSpec((None, None, all_rows), lambda j, bi, hi: (bi, hi, 0)))

@@ -48,9 +48,16 @@ TMA_ROWS = 8        # TMA tiles a sequence by 8 keys
 
 
 def supported(dtype, head_dim: int, tiles: tri.AttentionTiles) -> bool:
-  """Whether this kernel computes a prefill with these inputs and tiles."""
+  """Whether the prefill kernel computes a prefill with these inputs and tiles."""
   return (jnp.dtype(dtype) in DTYPES and head_dim in HEAD_DIMS
           and tiles.block_k == BLOCK_K and tiles.chunk_k % BLOCK_K == 0)
+
+
+def supported_backward(dtype, head_dim: int, tiles: tri.AttentionTiles) -> bool:
+  """Whether the backward kernels give the Triton backward's bits for these
+  inputs and tiles (they compute its 64 x 64 tiles)."""
+  return (jnp.dtype(dtype) in DTYPES and head_dim in HEAD_DIMS
+          and (tiles.bwd_block_q, tiles.bwd_block_k) == (ROWS, BLOCK_K))
 
 
 def _ptx_op(asm: str):
@@ -115,6 +122,64 @@ def _bounds(wg, kv_len, offset, row_tile, st: tri._Static):
   return row_start, key_limit, (bound + BLOCK_K - 1) // BLOCK_K, clear // BLOCK_K
 
 
+def _padded_keys(x):
+  """[B, S, K, H] keys or values padded with zeros to a multiple of TMA's 8-key
+  tiles (a key block past the end reads zeros)."""
+  padded_seq = cdiv(x.shape[1], TMA_ROWS) * TMA_ROWS
+  return jnp.pad(x, ((0, 0), (0, padded_seq - x.shape[1]), (0, 0), (0, 0)))
+
+
+def _zeroed_past_lengths(x, kv_lengths):
+  """:func:`_padded_keys` with zeros past each sequence's valid length too: what
+  the Triton kernels' masked loads read there (garbage may be NaN)."""
+  positions = jnp.arange(x.shape[1])[None, :, None, None]
+  return _padded_keys(jnp.where(positions < kv_lengths[:, None, None, None], x,
+                                jnp.zeros((), x.dtype)))
+
+
+def _scalars(kv_lengths, q_offsets):
+  """[B, 2, 32] int32 (valid keys, first query's position): 128-byte rows, the
+  smallest copy a warpgroup issues."""
+  return jnp.broadcast_to(
+      jnp.stack([kv_lengths, q_offsets], 1).astype(jnp.int32)[..., None],
+      (kv_lengths.shape[0], 2, 32))
+
+
+def _read_scalars(scalars_ref, scalar_smem, loaded, b):
+  """This sequence's (valid keys, first query's position), read by every warpgroup."""
+  plgpu = mosaic_gpu()
+
+  @pl.when(lax.axis_index("wg") == 0)
+  def _():
+    plgpu.copy_gmem_to_smem(scalars_ref.at[b], scalar_smem, loaded)
+
+  plgpu.barrier_wait(loaded)
+  return scalar_smem[0, 0], scalar_smem[1, 0]
+
+
+def _stream_key_blocks(k_ref, v_ref, k_smem, v_smem, loaded, used, b, h, num_blocks):
+  """The producer of a kernel that walks key blocks 0 .. num_blocks - 1 of
+  (sequence b, kv head h): each block's K and V into the ring of STAGES slots,
+  a slot refilled once both consumers have released it."""
+  plgpu = mosaic_gpu()
+  (k_loaded, v_loaded), (k_used, v_used) = loaded, used
+
+  def load(kb, slot):
+    block = (b, pl.ds(kb * BLOCK_K, BLOCK_K), h)
+    plgpu.copy_gmem_to_smem(k_ref.at[block], k_smem.at[slot], k_loaded.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[block], v_smem.at[slot], v_loaded.at[slot])
+
+  for kb in range(STAGES):
+    pl.when(kb < num_blocks)(functools.partial(load, kb, kb))
+
+  @pl.loop(STAGES, jnp.maximum(num_blocks, STAGES))
+  def _(kb):
+    slot = lax.rem(kb, STAGES)
+    plgpu.barrier_wait(k_used.at[slot])
+    plgpu.barrier_wait(v_used.at[slot])
+    load(kb, slot)
+
+
 def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tri._Static):
   plgpu = mosaic_gpu()
   ops = mosaic_ops()
@@ -126,12 +191,7 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
   wg = lax.axis_index("wg")
   row_tile, b, h = lax.axis_index("rows"), lax.axis_index("batch"), lax.axis_index("kv_head")
 
-  @pl.when(wg == 0)
-  def _():
-    plgpu.copy_gmem_to_smem(scalars_ref.at[b], scalar_smem, scalars_loaded.at[0])
-
-  plgpu.barrier_wait(scalars_loaded.at[0])
-  kv_len, offset = scalar_smem[0, 0], scalar_smem[1, 0]
+  kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b)
   cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, st)[2],
                            _bounds(1, kv_len, offset, row_tile, st)[2])
 
@@ -160,7 +220,7 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
       plgpu.barrier_wait(k_loaded.at[slot])
 
       def logits_of(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem.at[wg], plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
         take_turn()
         return acc_ref[...]
 
@@ -234,21 +294,8 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
   def _producer():
     plgpu.set_max_registers(40, action="decrease")
 
-    def load(kb, slot):
-      block = (b, pl.ds(kb * BLOCK_K, BLOCK_K), h)
-      plgpu.copy_gmem_to_smem(k_ref.at[block], k_smem.at[slot], k_loaded.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[block], v_smem.at[slot], v_loaded.at[slot])
-
-    for kb in range(STAGES):
-      pl.when(kb < cta_blocks)(functools.partial(load, kb, kb))
-
-    @pl.loop(STAGES, jnp.maximum(cta_blocks, STAGES))
-    def _(kb):
-      slot = lax.rem(kb, STAGES)
-      plgpu.barrier_wait(k_used.at[slot])
-      plgpu.barrier_wait(v_used.at[slot])
-      load(kb, slot)
-
+    _stream_key_blocks(k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded), (k_used, v_used),
+                       b, h, cta_blocks)
 
 def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: bool,
                       tiles: tri.AttentionTiles):
@@ -265,15 +312,8 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
   rows = st.rows
   padded_rows = cdiv(rows, CTA_ROWS) * CTA_ROWS
   qp = jnp.pad(tri.pack_rows(q, kv_heads), ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
-  positions = jnp.arange(seq)[None, :, None, None]
-  v = jnp.where(positions < kv_lengths[:, None, None, None], v, jnp.zeros((), v.dtype))
-  padded_seq = cdiv(seq, TMA_ROWS) * TMA_ROWS
-  if padded_seq != seq:
-    pad = ((0, 0), (0, padded_seq - seq), (0, 0), (0, 0))
-    k, v = jnp.pad(k, pad), jnp.pad(v, pad)
-  # [B, 2, 32] int32: 128-byte rows, the smallest copy a warpgroup issues.
-  scalars = jnp.broadcast_to(jnp.stack([kv_lengths, q_offsets], 1).astype(jnp.int32)[..., None],
-                             (b, 2, 32))
+  k, v = _padded_keys(k), _zeroed_past_lengths(v, kv_lengths)
+  scalars = _scalars(kv_lengths, q_offsets)
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   ones_tiled = (plgpu.TilingTransform((8, tri.ONES_COLUMNS)), plgpu.SwizzleTransform(32))
   total_tiled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
@@ -304,3 +344,279 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
       num_threads=3, thread_name="wg",
   )(scalars, qp, k, v)
   return tri.unpack_rows(op[:, :, :rows], t), lse[:, :, :rows]
+
+
+# ---------------------------------------------------------------------------
+# Backward: the Triton backward's dK/dV and dQ kernels at 64 x 64 tiles.
+
+
+def _dkdv_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dk_ref, dv_ref, scratch,
+                 *, st: tri._Static):
+  """dK, dV of 64 keys per consumer warpgroup (two per CTA, adjacent), summed over
+  the sequence's 64-row blocks in increasing order, which the producer streams
+  (q, dout, and the rows' log-sum-exp and delta) to both."""
+  plgpu = mosaic_gpu()
+  ops = mosaic_ops()
+  wgmma_layout = plgpu.Layout.WGMMA
+  (k_smem, v_smem, q_smem, do_smem, stats_smem, scalar_smem), \
+      (kv_loaded, rows_loaded, scalars_loaded), (rows_used,) = scratch
+  dtype = q_smem.dtype
+  wg = lax.axis_index("wg")
+  key_tile, b, h = lax.axis_index("keys"), lax.axis_index("batch"), lax.axis_index("kv_head")
+  kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b)
+  key_limit = tri._key_limit(kv_len, st.seq)
+
+  def bounds(consumer):
+    key_start = (key_tile * 2 + consumer) * BLOCK_K
+    return (key_start, *tri.key_tile_row_bounds(key_start, BLOCK_K, ROWS, key_limit, offset,
+                                                st))
+
+  cta_first, num_blocks = jnp.minimum(bounds(0)[1], bounds(1)[1]), bounds(0)[3]
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    key_start, first, clear, _ = bounds(wg)
+    kv_block = (b, pl.ds(key_start, BLOCK_K), h)
+    plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem.at[wg], kv_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(v_ref.at[kv_block], v_smem.at[wg], kv_loaded.at[2 + wg])
+    plgpu.barrier_wait(kv_loaded.at[wg])
+    plgpu.barrier_wait(kv_loaded.at[2 + wg])
+    by_column = plgpu.Layout.WGMMA.reduce(0)
+
+    def row_block(rb, carry, *, masked: bool):
+      dk, dv = carry
+      slot = lax.rem(rb, STAGES)
+      plgpu.barrier_wait(rows_loaded.at[slot])
+
+      def logits_of(acc_ref):
+        plgpu.wgmma(acc_ref, k_smem.at[wg], q_smem.at[slot].transpose((1, 0)))
+        return acc_ref[...]
+
+      s_t = _scale_by(st.scale * tri.LOG2E)(
+          pl.run_scoped(logits_of, plgpu.ACC((BLOCK_K, ROWS), jnp.float32)))
+      if masked:
+        keys = key_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=wgmma_layout)
+        mask = keys < key_limit
+        if st.causal:
+          rows = rb * ROWS + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1,
+                                                    layout=wgmma_layout)
+          mask = jnp.logical_and(mask, keys <= offset + rows // st.group)
+        s_t = jnp.where(mask, s_t, -jnp.inf)
+      lse = plgpu.layout_cast(stats_smem[slot, 0], by_column)
+      p_t = ops.exp2(s_t - lax.broadcast_in_dim(lse, s_t.shape, [1]))
+
+      def values_and_dp(refs):
+        dv_ref, dp_ref = refs
+        plgpu.wgmma(dv_ref, p_t.astype(dtype), do_smem.at[slot])
+        plgpu.wgmma(dp_ref, v_smem.at[wg], do_smem.at[slot].transpose((1, 0)))
+
+      zeros = plgpu.layout_cast(jnp.full(s_t.shape, 0.0, jnp.float32), wgmma_layout)
+      dv, dp_t = pl.run_state(values_and_dp)((plgpu.ACC.init(dv), plgpu.ACC.init(zeros)))
+      delta = plgpu.layout_cast(stats_smem[slot, 1], by_column)
+      ds_t = p_t * (dp_t - lax.broadcast_in_dim(delta, s_t.shape, [1]))
+
+      def keys_grad(dk_ref):
+        plgpu.wgmma(dk_ref, ds_t.astype(dtype), q_smem.at[slot])
+
+      dk = pl.run_state(keys_grad)(plgpu.ACC.init(dk))
+      plgpu.barrier_arrive(rows_used.at[slot])
+      return dk, dv
+
+    @pl.loop(cta_first, first)
+    def _skip(rb):
+      """Row blocks only the other consumer needs: released unseen."""
+      slot = lax.rem(rb, STAGES)
+      plgpu.barrier_wait(rows_loaded.at[slot])
+      plgpu.barrier_arrive(rows_used.at[slot])
+
+    zeros = plgpu.layout_cast(jnp.full((BLOCK_K, st.width), 0.0, jnp.float32), wgmma_layout)
+    carry = lax.fori_loop(first, clear, functools.partial(row_block, masked=True),
+                          (zeros, zeros))
+    dk, dv = lax.fori_loop(clear, num_blocks, functools.partial(row_block, masked=False), carry)
+    k_smem[wg] = _scale_by(st.scale)(dk).astype(dtype)
+    v_smem[wg] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[kv_block])
+    plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[kv_block])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def load(rb):
+      slot = lax.rem(rb, STAGES)
+      rows = (b, h, pl.ds(rb * ROWS, ROWS))
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], rows_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], rows_loaded.at[slot])
+      plgpu.copy_gmem_to_smem(stats_ref.at[b, h, rb], stats_smem.at[slot], rows_loaded.at[slot])
+
+    for i in range(STAGES):
+      pl.when(cta_first + i < num_blocks)(functools.partial(load, cta_first + i))
+
+    @pl.loop(cta_first + STAGES, num_blocks)
+    def _(rb):
+      plgpu.barrier_wait(rows_used.at[lax.rem(rb, STAGES)])
+      load(rb)
+
+
+def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scratch, *,
+               st: tri._Static):
+  """dQ of 64 packed rows per consumer warpgroup (two per CTA) over the key
+  blocks they see in increasing order, which the producer streams."""
+  plgpu = mosaic_gpu()
+  ops = mosaic_ops()
+  wgmma_layout = plgpu.Layout.WGMMA
+  (q_smem, do_smem, stats_smem, k_smem, v_smem, scalar_smem), \
+      (k_loaded, v_loaded, rows_loaded, scalars_loaded), (k_used, v_used) = scratch
+  dtype = q_smem.dtype
+  wg = lax.axis_index("wg")
+  row_tile, b, h = lax.axis_index("rows"), lax.axis_index("batch"), lax.axis_index("kv_head")
+  kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b)
+  cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, st)[2],
+                           _bounds(1, kv_len, offset, row_tile, st)[2])
+
+  @pl.when(wg < 2)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    row_start, key_limit, num_blocks, clear_end = _bounds(wg, kv_len, offset, row_tile, st)
+    rows = (b, h, pl.ds(row_start, ROWS))
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], rows_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], rows_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(stats_ref.at[b, h, row_tile * 2 + wg], stats_smem.at[wg],
+                            rows_loaded.at[wg])
+    plgpu.barrier_wait(rows_loaded.at[wg])
+    by_row = plgpu.Layout.WGMMA.reduce(1)
+    lse = plgpu.layout_cast(stats_smem[wg, 0], by_row)
+    delta = plgpu.layout_cast(stats_smem[wg, 1], by_row)
+
+    def key_block(kb, dq, *, masked: bool):
+      slot = lax.rem(kb, STAGES)
+      plgpu.barrier_wait(k_loaded.at[slot])
+
+      def logits_of(acc_ref):
+        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
+        return acc_ref[...]
+
+      s = _scale_by(st.scale * tri.LOG2E)(
+          pl.run_scoped(logits_of, plgpu.ACC((ROWS, BLOCK_K), jnp.float32)))
+      if masked:
+        keys = kb * BLOCK_K + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=wgmma_layout)
+        mask = keys < key_limit
+        if st.causal:
+          rows_in = row_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0,
+                                                       layout=wgmma_layout)
+          mask = jnp.logical_and(mask, keys <= offset + rows_in // st.group)
+        s = jnp.where(mask, s, -jnp.inf)
+      p = ops.exp2(s - ops.rows(lse, s.shape))
+      plgpu.barrier_wait(v_loaded.at[slot])
+
+      def dp_of(acc_ref):
+        plgpu.wgmma(acc_ref, do_smem.at[wg], v_smem.at[slot].transpose((1, 0)))
+        return acc_ref[...]
+
+      dp = pl.run_scoped(dp_of, plgpu.ACC((ROWS, BLOCK_K), jnp.float32))
+      plgpu.barrier_arrive(v_used.at[slot])
+      ds = p * (dp - ops.rows(delta, s.shape))
+
+      def queries_grad(dq_ref):
+        plgpu.wgmma(dq_ref, ds.astype(dtype), k_smem.at[slot])
+
+      dq = pl.run_state(queries_grad)(plgpu.ACC.init(dq))
+      plgpu.barrier_arrive(k_used.at[slot])
+      return dq
+
+    middle = jnp.minimum(clear_end, num_blocks)
+    dq = plgpu.layout_cast(jnp.full((ROWS, st.width), 0.0, jnp.float32), wgmma_layout)
+    dq = lax.fori_loop(0, middle, functools.partial(key_block, masked=False), dq)
+    dq = lax.fori_loop(middle, num_blocks, functools.partial(key_block, masked=True), dq)
+
+    @pl.loop(num_blocks, cta_blocks)
+    def _drain(kb):
+      """Key blocks only the other consumer needs: released unseen."""
+      slot = lax.rem(kb, STAGES)
+      plgpu.barrier_wait(k_loaded.at[slot])
+      plgpu.barrier_arrive(k_used.at[slot])
+      plgpu.barrier_wait(v_loaded.at[slot])
+      plgpu.barrier_arrive(v_used.at[slot])
+
+    q_smem[wg] = _scale_by(st.scale)(dq).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+  @pl.when(wg == 2)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+    _stream_key_blocks(k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded), (k_used, v_used),
+                       b, h, cta_blocks)
+
+
+def attention_backward(q, k, v, dout, lse, delta, kv_lengths, q_offsets, *, scale: float,
+                       causal: bool, tiles: tri.AttentionTiles):
+  """dQ, dK and dV of :func:`pallas_kernels.attention.attention_backward` (the same
+  bits as its Triton kernels at 64 x 64 backward tiles) on an sm_90 GPU.
+
+  q, dout: [B, T, N, H]; k, v: [B, S, K, H]; lse, delta: [B, K, T * N // K]
+  float32 (the forward's base-2 log-sum-exp, rowsum(out * dout)). Returns (dq
+  [B, T, N, H], dk, dv [B, S, K, H]) in the inputs' dtypes.
+  """
+  plgpu = mosaic_gpu()
+  b, t, n, head_dim = q.shape
+  seq, kv_heads = k.shape[1], k.shape[2]
+  if not supported_backward(q.dtype, head_dim, tiles):
+    raise ValueError(f"the Mosaic GPU backward takes 16-bit inputs, head sizes {HEAD_DIMS} and "
+                     f"{ROWS} x {BLOCK_K} backward tiles; got {q.dtype}, {head_dim}, {tiles}")
+  st = tri._static(q, k, scale=scale, causal=causal, tiles=tiles, interpret=False)
+  rows = st.rows
+  padded_rows = cdiv(rows, CTA_ROWS) * CTA_ROWS
+  row_pad = ((0, 0), (0, 0), (0, padded_rows - rows))
+  qp, dop = (jnp.pad(tri.pack_rows(x, kv_heads), (*row_pad, (0, 0))) for x in (q, dout))
+  # [B, K, row blocks, 2, 64]: each 64-row block's log-sum-exp and delta, one copy.
+  stats = jnp.stack([jnp.pad(lse, row_pad, constant_values=jnp.inf), jnp.pad(delta, row_pad)],
+                    axis=-2)
+  stats = stats.reshape(b, kv_heads, 2, padded_rows // ROWS, ROWS).transpose(0, 1, 3, 2, 4)
+  k, v = (_zeroed_past_lengths(x, kv_lengths) for x in (k, v))
+  scalars = _scalars(kv_lengths, q_offsets)
+  tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+  blocks = plgpu.SMEM((2, ROWS, head_dim), q.dtype, transforms=tiled)
+  stream = plgpu.SMEM((STAGES, BLOCK_K, head_dim), q.dtype, transforms=tiled)
+
+  def dkdv_entry(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dk_ref, dv_ref):
+    smem = (blocks, blocks, stream, stream, plgpu.SMEM((STAGES, 2, ROWS), jnp.float32),
+            plgpu.SMEM((2, 32), jnp.int32))
+    loaded = (plgpu.Barrier(num_barriers=4), plgpu.Barrier(num_arrivals=3, num_barriers=STAGES),
+              plgpu.Barrier(num_barriers=1))
+    used = (plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),)
+    pl.run_scoped(
+        lambda *scratch: _dkdv_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref,
+                                      dk_ref, dv_ref, scratch, st=st),
+        smem, loaded, used, collective_axes="wg")
+
+  padded_seq = cdiv(seq, 2 * BLOCK_K) * 2 * BLOCK_K
+  kv_grad = jax.ShapeDtypeStruct((b, padded_seq, kv_heads, head_dim), k.dtype)
+  dk, dv = plgpu.kernel(
+      dkdv_entry, out_type=(kv_grad, kv_grad),
+      grid=(padded_seq // (2 * BLOCK_K), b, kv_heads), grid_names=("keys", "batch", "kv_head"),
+      num_threads=3, thread_name="wg",
+  )(scalars, qp, dop, stats, k, v)
+
+  def dq_entry(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref):
+    smem = (blocks, blocks, plgpu.SMEM((2, 2, ROWS), jnp.float32), stream, stream,
+            plgpu.SMEM((2, 32), jnp.int32))
+    loaded = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
+              plgpu.Barrier(num_arrivals=3, num_barriers=2), plgpu.Barrier(num_barriers=1))
+    used = (plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),
+            plgpu.Barrier(num_arrivals=2, num_barriers=STAGES))
+    pl.run_scoped(
+        lambda *scratch: _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref,
+                                    scratch, st=st),
+        smem, loaded, used, collective_axes="wg")
+
+  dqp = plgpu.kernel(
+      dq_entry, out_type=jax.ShapeDtypeStruct(qp.shape, q.dtype),
+      grid=(padded_rows // CTA_ROWS, b, kv_heads), grid_names=("rows", "batch", "kv_head"),
+      num_threads=3, thread_name="wg",
+  )(scalars, qp, dop, stats, k, v)
+  return tri.unpack_rows(dqp[:, :, :rows], t), dk[:, :seq], dv[:, :seq]

@@ -347,8 +347,9 @@ def _cuda_lowering_available():
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_kernels_lower_for_cuda(dtype, head_dim):
-  """Every kernel lowers for the GPU, the H100 prefill (Mosaic GPU) too where it
-  takes the inputs, with a sequence length that TMA's 8-key tiles do not divide."""
+  """Every kernel lowers for the GPU, the H100 prefill and backward (Mosaic GPU)
+  too where they take the inputs, with a sequence length that TMA's 8-key tiles
+  do not divide."""
   if not _cuda_lowering_available():
     pytest.skip("jax's CUDA plugin is not installed")
   sd = jax.ShapeDtypeStruct
@@ -362,9 +363,10 @@ def test_kernels_lower_for_cuda(dtype, head_dim):
   for path in paths:
     fwd = functools.partial(kernels.attention_forward, **path, **static)
     jax.jit(fwd).trace(q, kv, kv, ints, ints).lower(lowering_platforms=("cuda",))
-  bwd = functools.partial(kernels.attention_backward, **static)
   lse = sd((2, 2, 1200), jnp.float32)
-  jax.jit(bwd).trace(q, kv, kv, q, lse, q, ints, ints).lower(lowering_platforms=("cuda",))
+  for mosaic in [False] + [True] * attention_hopper.supported_backward(dtype, head_dim, tiles):
+    bwd = functools.partial(kernels.attention_backward, mosaic=mosaic, **static)
+    jax.jit(bwd).trace(q, kv, kv, q, lse, q, ints, ints).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu
@@ -426,3 +428,42 @@ def test_gpu_mosaic_prefill_equals_triton_prefill(dtype):
     assert not np.isnan(np.asarray(outs[True][0], np.float32)).any(), what
     assert_bitwise_equal(outs[True][0], outs[False][0], what=f"output, {what}")
     assert_bitwise_equal(outs[True][1], outs[False][1], what=f"log-sum-exp, {what}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gpu_mosaic_backward_equals_triton_backward(dtype):
+  """The H100 backward (Mosaic GPU dK/dV and dQ kernels) gives the Triton
+  backward's bits for dq, dk and dv: causal and not, GQA, MQA and MHA, head
+  sizes 64 and 128, rows and keys that fill no whole tile or CTA, padded caches
+  with NaN past each sequence's length (and a sequence with no valid key), and
+  query offsets."""
+  if not kernels.Device.current().is_hopper:
+    pytest.skip("the Mosaic GPU backward runs on an H100 (sm_90) only")
+  rng = np.random.default_rng(6)
+  for batch, t, seq, heads, kv_heads, head_dim, causal in [
+      (2, 333, 1001, 8, 2, 128, True), (3, 200, 777, 4, 4, 64, True),
+      (2, 1000, 1000, 8, 1, 128, False), (1, 512, 4096, 16, 2, 64, True),
+      (2, 130, 300, 4, 2, 128, False)]:
+    q, dout = (random_normal(rng, (batch, t, heads, head_dim), dtype) for _ in range(2))
+    k = random_normal(rng, (batch, seq, kv_heads, head_dim), dtype)
+    v = random_normal(rng, (batch, seq, kv_heads, head_dim), dtype)
+    lengths = jnp.asarray(rng.integers(t, seq + 1, batch), jnp.int32)
+    if not causal:
+      lengths = lengths.at[-1].set(0)
+    valid = jnp.arange(seq)[None, :, None, None] < lengths[:, None, None, None]
+    k, v = (jnp.where(valid, x, jnp.asarray(np.nan, dtype)) for x in (k, v))
+    offsets = lengths - t if causal else jnp.asarray(rng.integers(0, 50, batch), jnp.int32)
+    static = dict(scale=head_dim ** -0.5, causal=causal,
+                  tiles=kernels.attention_tiles(head_dim, dtype, interpret=False),
+                  interpret=False)
+    out, lse = jax.jit(functools.partial(kernels.attention_forward, **static))(
+        q, k, v, lengths, offsets)
+    grads = {}
+    for mosaic in (True, False):
+      bwd = jax.jit(functools.partial(kernels.attention_backward, mosaic=mosaic, **static))
+      grads[mosaic] = bwd(q, k, v, out, lse, dout, lengths, offsets)
+    what = f"B={batch} T={t} S={seq} N={heads} K={kv_heads} H={head_dim} causal={causal}"
+    for name, got, want in zip(("dq", "dk", "dv"), grads[True], grads[False]):
+      assert not np.isnan(np.asarray(got, np.float32)).any(), f"{name}, {what}"
+      assert_bitwise_equal(got, want, what=f"{name}, {what}")
