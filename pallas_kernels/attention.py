@@ -71,7 +71,9 @@ Kernels:
   * :func:`attention_delta_kernel`, :func:`attention_dkdv_kernel`,
     :func:`attention_dq_kernel` - the backward from the saved log-sum-exp:
     dK/dV per key block over query row blocks in increasing order, dQ per row
-    block over key blocks in increasing order. No atomics.
+    block over key blocks in increasing order. No atomics. On an H100 the dK/dV
+    and dQ kernels of a large backward run on Mosaic GPU twins with their bits
+    (:func:`use_mosaic_backward`).
 """
 
 from __future__ import annotations

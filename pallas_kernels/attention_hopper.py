@@ -1,9 +1,11 @@
-"""The attention prefill forward on Hopper tensor cores through Mosaic GPU (TMA + wgmma).
+"""The attention prefill forward and the backward on Hopper tensor cores through
+Mosaic GPU (TMA + wgmma).
 
-It computes the bits of :func:`pallas_kernels.attention.attention_forward_kernel`
-(the Triton prefill kernel) under the same numerics contract (that module's
-docstring), so :func:`pallas_kernels.attention.attention_forward` may send any
-prefill to either and decode (Triton) still matches it bit for bit:
+The prefill computes the bits of
+:func:`pallas_kernels.attention.attention_forward_kernel` (the Triton prefill
+kernel) under the same numerics contract (that module's docstring), so
+:func:`pallas_kernels.attention.attention_forward` may send any prefill to
+either and decode (Triton) still matches it bit for bit:
 
 * the same packed rows, 64 of them per consumer warpgroup (a Triton row tile);
 * keys in 64-key blocks aligned to absolute positions, in increasing order, in
@@ -15,14 +17,23 @@ prefill to either and decode (Triton) still matches it bit for bit:
   ``p @ ones`` on the tensor cores, ``p @ V`` from zero and one ``fma.rn`` into
   the state: the same k16 ``wgmma`` chains as Triton's dots.
 
-A CTA owns 128 packed rows of one (sequence, kv head): one producer warpgroup
-streams K/V blocks into a ring of shared-memory stages, two consumer
+A prefill CTA owns 128 packed rows of one (sequence, kv head): one producer
+warpgroup streams K/V blocks into a ring of shared-memory stages, two consumer
 warpgroups each take 64 rows, taking turns on the tensor cores (a shared
 schedule barrier) so that one's softmax overlaps the other's products. The
 chunk total's accumulator lives in shared memory (registers would spill).
-Values of V past a sequence's valid length are zeroed before the kernel (the
-Triton kernels never load them; garbage there may be NaN, and p = 0 times NaN
-is NaN). 16-bit inputs, head sizes 64 and 128.
+
+The backward (:func:`attention_backward`) computes the bits of the Triton dK/dV
+and dQ kernels at their 64 x 64 tiles: the same probabilities and ``ds``
+(``ex2.approx.ftz`` of ``mul.rn``-scaled logits), and dV, dK and dQ accumulated
+in the wgmma accumulator in the k16 order of Triton's dots, which Triton folds
+into ``acc + a @ b`` chains. A dK/dV CTA owns 128 keys (64 per consumer) and
+streams the sequence's 64-row blocks; a dQ CTA owns 128 packed rows and streams
+the key blocks.
+
+Values past a sequence's valid length (and keys, for the backward) are zeroed
+before the kernels (the Triton kernels never load them, reading zeros; garbage
+there may be NaN, and p = 0 times NaN is NaN). 16-bit inputs, head sizes 64 and 128.
 """
 
 from __future__ import annotations

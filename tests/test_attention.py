@@ -305,17 +305,19 @@ def test_few_rows_take_a_smaller_row_tile():
 
 
 def test_mosaic_prefill_rule():
-  """The H100 prefill (Mosaic GPU) serves 16-bit prefills at head size 128 with at
-  least a wave of its 128-row tiles; everything else stays on Triton."""
+  """The H100 prefill and backward (Mosaic GPU) serve 16-bit prefills at head size
+  128 with at least a wave of its 128-row tiles; everything else stays on Triton."""
   h100, a100 = kernels.Device("gpu", "9.0", 132), kernels.Device("gpu", "8.0", 108)
   bf16, f32 = jnp.bfloat16, jnp.float32
 
   def rule(batch, t, heads, kv_heads, head_dim=128, dtype=bf16, device=h100, interpret=False,
            seq=None):
     tiles = kernels.attention_tiles(head_dim, dtype, interpret=interpret)
-    return kernels.use_mosaic_prefill((batch, t, heads, head_dim),
-                                      (batch, seq or t, kv_heads, head_dim), dtype, tiles,
-                                      interpret=interpret, device=device)
+    shapes = ((batch, t, heads, head_dim), (batch, seq or t, kv_heads, head_dim), dtype, tiles)
+    prefill = kernels.use_mosaic_prefill(*shapes, interpret=interpret, device=device)
+    backward = kernels.use_mosaic_backward(*shapes, interpret=interpret, device=device)
+    assert backward == prefill, shapes
+    return prefill
 
   assert rule(1, 4096, 32, 8) and rule(8, 512, 32, 8) and rule(4, 1000, 28, 4)
   assert rule(1, 4096, 32, 8, dtype=jnp.float16) and rule(1, 2048, 32, 8, seq=4096)
