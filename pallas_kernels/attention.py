@@ -695,9 +695,8 @@ def use_mosaic_prefill(q_shape, kv_shape, dtype, tiles: AttentionTiles, *, inter
   """Whether the prefill of query [B, T, N, H] against keys [B, S, K, H] runs on
   the Mosaic GPU kernel (:mod:`pallas_kernels.attention_hopper`) rather than the
   Triton one. It does on an H100, for inputs and tiles it takes, at head size
-  128, with at least 128 packed rows (T x N / K) per (sequence, kv head) (a
-  decode step's few rows take Triton's smaller row tile), at least a wave of its
-  128-row tiles, and queries enough for the key length
+  128, with at least 128 queries (a CTA's rows: 128 queries of one head), at
+  least a wave of such tiles, and queries enough for the key length
   (MOSAIC_PREFILL_WORK_PER_KEY: a short prefill into a long, preallocated cache
   stays on Triton, which reads only the keys it needs). With fewer tiles (B = 1,
   T = 300, 28 heads: 68) or at head size 64 it ran slower than Triton on the H100
@@ -710,9 +709,9 @@ def use_mosaic_prefill(q_shape, kv_shape, dtype, tiles: AttentionTiles, *, inter
   batch, t, heads, head_dim = q_shape
   seq, kv_heads = kv_shape[1], kv_shape[2]
   rows = t * (heads // kv_heads)
-  tiles_of_rows = cdiv(rows, attention_hopper.CTA_ROWS) * batch * kv_heads
+  tiles_of_rows = cdiv(t, attention_hopper.CTA_ROWS) * batch * heads
   return (device.is_hopper and head_dim == MOSAIC_PREFILL_HEAD_DIM
-          and rows >= attention_hopper.CTA_ROWS and tiles_of_rows >= device.sm_count
+          and t >= attention_hopper.CTA_ROWS and tiles_of_rows >= device.sm_count
           and rows * t >= MOSAIC_PREFILL_WORK_PER_KEY * seq
           and attention_hopper.supported(dtype, head_dim, tiles))
 

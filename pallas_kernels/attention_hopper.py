@@ -7,7 +7,11 @@ kernel) under the same numerics contract (that module's docstring), so
 :func:`pallas_kernels.attention.attention_forward` may send any prefill to
 either and decode (Triton) still matches it bit for bit:
 
-* the same packed rows, 64 of them per consumer warpgroup (a Triton row tile);
+* the same rows, 64 of them per consumer warpgroup (a Triton row tile) - but
+  each CTA's 128 rows are 128 consecutive queries of one query head rather than
+  packed rows, which TMA reads from and writes to the natural [B, T, N, H]
+  layout, with no packing pass: a row's arithmetic is the same whichever rows
+  sit beside it in its tile (:func:`_query_rows`);
 * keys in 64-key blocks aligned to absolute positions, in increasing order, in
   chunks of ``chunk_k`` keys that start from the empty state and merge into the
   total with :func:`~pallas_kernels.attention.merge_states`, which with
@@ -17,7 +21,7 @@ either and decode (Triton) still matches it bit for bit:
   ``p @ ones`` on the tensor cores, ``p @ V`` from zero and one ``fma.rn`` into
   the state: the same k16 ``wgmma`` chains as Triton's dots.
 
-A prefill CTA owns 128 packed rows of one (sequence, kv head): one producer
+A prefill CTA owns 128 queries of one (sequence, query head): one producer
 warpgroup streams K/V blocks into a ring of shared-memory stages, two consumer
 warpgroups each take 64 rows, taking turns on the tensor cores (a shared
 schedule barrier) so that one's softmax overlaps the other's products. The
@@ -28,8 +32,8 @@ and dQ kernels at their 64 x 64 tiles: the same probabilities and ``ds``
 (``ex2.approx.ftz`` of ``mul.rn``-scaled logits), and dV, dK and dQ accumulated
 in the wgmma accumulator in the k16 order of Triton's dots, which Triton folds
 into ``acc + a @ b`` chains. A dK/dV CTA owns 128 keys (64 per consumer) and
-streams the sequence's 64-row blocks; a dQ CTA owns 128 packed rows and streams
-the key blocks.
+streams the sequence's 64-row blocks of packed rows (their order is the sum's);
+a dQ CTA owns 128 queries of one head and streams the key blocks.
 
 Values past a sequence's valid length (and keys, for the backward) are zeroed
 before the kernels (the Triton kernels never load them, reading zeros; garbage
@@ -38,6 +42,7 @@ there may be NaN, and p = 0 times NaN is NaN). 16-bit inputs, head sizes 64 and 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -133,18 +138,52 @@ def _bounds(wg, kv_len, offset, row_tile, st: tri._Static):
   return row_start, key_limit, (bound + BLOCK_K - 1) // BLOCK_K, clear // BLOCK_K
 
 
-def _padded_keys(x):
-  """[B, S, K, H] keys or values padded with zeros to a multiple of TMA's 8-key
-  tiles (a key block past the end reads zeros)."""
+def _query_rows(st: tri._Static) -> tri._Static:
+  """``st`` for a kernel whose rows are one query head's queries in order (row r
+  is query r; no packing): T rows of one position each. A row's arithmetic does
+  not depend on the rows beside it in its tile, so its bits are those of its
+  packed row."""
+  return dataclasses.replace(st, rows=st.rows // st.group, group=1)
+
+
+def _row_stats(lse, delta, padded_rows: int):
+  """[B, X, R] log-sum-exp and delta (X heads of R rows) as [B, X, padded_rows /
+  64, 2, 64]: each 64-row block's pair in one copy; rows past R get lse = +inf
+  and delta = 0 (p = 0 there)."""
+  b, heads, rows = lse.shape
+  pad = ((0, 0), (0, 0), (0, padded_rows - rows))
+  stats = jnp.stack([jnp.pad(lse, pad, constant_values=jnp.inf), jnp.pad(delta, pad)], axis=-2)
+  return stats.reshape(b, heads, 2, padded_rows // ROWS, ROWS).transpose(0, 1, 3, 2, 4)
+
+
+def _per_head(x, seq_len: int):
+  """[B, K, T * G] packed-row values -> [B, K * G, T]: one row of T per query head."""
+  b, kv_heads, rows = x.shape
+  group = rows // seq_len
+  return x.reshape(b, kv_heads, seq_len, group).transpose(0, 1, 3, 2).reshape(
+      b, kv_heads * group, seq_len)
+
+
+def _packed(x, kv_heads: int):
+  """Inverse of :func:`_per_head`: [B, N, T] -> [B, K, T * N // K]."""
+  b, heads, seq_len = x.shape
+  group = heads // kv_heads
+  return x.reshape(b, kv_heads, group, seq_len).transpose(0, 1, 3, 2).reshape(
+      b, kv_heads, seq_len * group)
+
+
+def _tma_padded(x):
+  """[B, S, K, H] keys or values, or [B, T, N, H] queries, padded with zeros to a
+  multiple of TMA's 8-row tiles along axis 1 (a block past the end reads zeros)."""
   padded_seq = cdiv(x.shape[1], TMA_ROWS) * TMA_ROWS
   return jnp.pad(x, ((0, 0), (0, padded_seq - x.shape[1]), (0, 0), (0, 0)))
 
 
 def _zeroed_past_lengths(x, kv_lengths):
-  """:func:`_padded_keys` with zeros past each sequence's valid length too: what
+  """:func:`_tma_padded` with zeros past each sequence's valid length too: what
   the Triton kernels' masked loads read there (garbage may be NaN)."""
   positions = jnp.arange(x.shape[1])[None, :, None, None]
-  return _padded_keys(jnp.where(positions < kv_lengths[:, None, None, None], x,
+  return _tma_padded(jnp.where(positions < kv_lengths[:, None, None, None], x,
                                 jnp.zeros((), x.dtype)))
 
 
@@ -200,11 +239,12 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
   dtype, width = q_smem.dtype, st.width
   blocks_per_chunk = st.tiles.chunk_k // BLOCK_K
   wg = lax.axis_index("wg")
-  row_tile, b, h = lax.axis_index("rows"), lax.axis_index("batch"), lax.axis_index("kv_head")
-
+  row_tile, b, n = lax.axis_index("rows"), lax.axis_index("batch"), lax.axis_index("head")
+  h = lax.div(n, st.group)
+  queries = _query_rows(st)
   kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b)
-  cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, st)[2],
-                           _bounds(1, kv_len, offset, row_tile, st)[2])
+  cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, queries)[2],
+                           _bounds(1, kv_len, offset, row_tile, queries)[2])
 
   def take_turn():
     plgpu.barrier_arrive(turns)
@@ -213,17 +253,19 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
   @pl.when(wg < 2)
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
-    row_start, key_limit, num_blocks, clear_end = _bounds(wg, kv_len, offset, row_tile, st)
-    plgpu.copy_gmem_to_smem(q_ref.at[b, h, pl.ds(row_start, ROWS)], q_smem.at[wg],
-                            q_loaded.at[wg])
+    row_start, key_limit, num_blocks, clear_end = _bounds(wg, kv_len, offset, row_tile, queries)
+    rows = (b, pl.ds(row_start, ROWS), n)
+    has_rows = row_start < queries.rows
+    pl.when(has_rows)(lambda: plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg],
+                                                      q_loaded.at[wg]))
     ones_smem[wg] = plgpu.layout_cast(jnp.full((BLOCK_K, tri.ONES_COLUMNS), 1.0, dtype),
                                       wgmma_layout)
     total_smem[wg] = plgpu.layout_cast(jnp.full((ROWS, width), 0.0, jnp.float32), wgmma_layout)
     plgpu.commit_smem()
-    plgpu.barrier_wait(q_loaded.at[wg])
+    pl.when(has_rows)(lambda: plgpu.barrier_wait(q_loaded.at[wg]))
     row_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK_K), 0, layout=wgmma_layout)
     key_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK_K), 1, layout=wgmma_layout)
-    row_pos = offset + (row_start + row_ids) // st.group
+    row_pos = offset + row_start + row_ids
 
     def block_step(kb, state, *, masked: bool):
       """``attention._block_step`` on key block ``kb``, in wgmma and PTX ops."""
@@ -297,9 +339,12 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
     q_smem[wg] = out.astype(dtype)
     lse_smem[wg] = lse
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[b, h, pl.ds(row_start, ROWS)])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, h, pl.ds(row_start, ROWS)])
-    plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(has_rows)
+    def _store():  # TMA writes none of the rows past T
+      plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[rows])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(row_start, ROWS)])
+      plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
   def _producer():
@@ -307,6 +352,7 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
 
     _stream_key_blocks(k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded), (k_used, v_used),
                        b, h, cta_blocks)
+
 
 def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: bool,
                       tiles: tri.AttentionTiles):
@@ -319,11 +365,11 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
   if not supported(q.dtype, head_dim, tiles):
     raise ValueError(f"the Mosaic GPU prefill takes 16-bit inputs, head sizes {HEAD_DIMS} and "
                      f"{BLOCK_K}-key blocks; got {q.dtype}, {head_dim}, {tiles}")
+  if t < CTA_ROWS:
+    raise ValueError(f"the Mosaic GPU prefill takes at least {CTA_ROWS} queries; got {t}")
   st = tri._static(q, k, scale=scale, causal=causal, tiles=tiles, interpret=False)
-  rows = st.rows
-  padded_rows = cdiv(rows, CTA_ROWS) * CTA_ROWS
-  qp = jnp.pad(tri.pack_rows(q, kv_heads), ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0)))
-  k, v = _padded_keys(k), _zeroed_past_lengths(v, kv_lengths)
+  row_tiles = cdiv(t, CTA_ROWS)
+  q, k, v = _tma_padded(q), _tma_padded(k), _zeroed_past_lengths(v, kv_lengths)
   scalars = _scalars(kv_lengths, q_offsets)
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   ones_tiled = (plgpu.TilingTransform((8, tri.ONES_COLUMNS)), plgpu.SwizzleTransform(32))
@@ -347,14 +393,14 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
                                  st=st),
         smem, loaded, shared, collective_axes="wg")
 
-  op, lse = plgpu.kernel(
+  out, lse = plgpu.kernel(
       entry,
-      out_type=(jax.ShapeDtypeStruct((b, kv_heads, padded_rows, head_dim), q.dtype),
-                jax.ShapeDtypeStruct((b, kv_heads, padded_rows), jnp.float32)),
-      grid=(padded_rows // CTA_ROWS, b, kv_heads), grid_names=("rows", "batch", "kv_head"),
+      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((b, n, row_tiles * CTA_ROWS), jnp.float32)),
+      grid=(row_tiles, b, n), grid_names=("rows", "batch", "head"),
       num_threads=3, thread_name="wg",
-  )(scalars, qp, k, v)
-  return tri.unpack_rows(op[:, :, :rows], t), lse[:, :, :rows]
+  )(scalars, q, k, v)
+  return out[:, :t], _packed(lse[:, :, :t], kv_heads)
 
 
 # ---------------------------------------------------------------------------
@@ -483,21 +529,27 @@ def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scra
       (k_loaded, v_loaded, rows_loaded, scalars_loaded), (k_used, v_used) = scratch
   dtype = q_smem.dtype
   wg = lax.axis_index("wg")
-  row_tile, b, h = lax.axis_index("rows"), lax.axis_index("batch"), lax.axis_index("kv_head")
+  row_tile, b, n = lax.axis_index("rows"), lax.axis_index("batch"), lax.axis_index("head")
+  h = lax.div(n, st.group)
+  queries = _query_rows(st)
   kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b)
-  cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, st)[2],
-                           _bounds(1, kv_len, offset, row_tile, st)[2])
+  cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, queries)[2],
+                           _bounds(1, kv_len, offset, row_tile, queries)[2])
 
   @pl.when(wg < 2)
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
-    row_start, key_limit, num_blocks, clear_end = _bounds(wg, kv_len, offset, row_tile, st)
-    rows = (b, h, pl.ds(row_start, ROWS))
-    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], rows_loaded.at[wg])
-    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], rows_loaded.at[wg])
-    plgpu.copy_gmem_to_smem(stats_ref.at[b, h, row_tile * 2 + wg], stats_smem.at[wg],
-                            rows_loaded.at[wg])
-    plgpu.barrier_wait(rows_loaded.at[wg])
+    row_start, key_limit, num_blocks, clear_end = _bounds(wg, kv_len, offset, row_tile, queries)
+    rows = (b, pl.ds(row_start, ROWS), n)
+    has_rows = row_start < queries.rows
+
+    @pl.when(has_rows)
+    def _load():
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], rows_loaded.at[wg])
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], rows_loaded.at[wg])
+      plgpu.copy_gmem_to_smem(stats_ref.at[b, n, row_tile * 2 + wg], stats_smem.at[wg],
+                              rows_loaded.at[wg])
+      plgpu.barrier_wait(rows_loaded.at[wg])
     by_row = plgpu.Layout.WGMMA.reduce(1)
     lse = plgpu.layout_cast(stats_smem[wg, 0], by_row)
     delta = plgpu.layout_cast(stats_smem[wg, 1], by_row)
@@ -518,7 +570,7 @@ def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scra
         if st.causal:
           rows_in = row_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0,
                                                        layout=wgmma_layout)
-          mask = jnp.logical_and(mask, keys <= offset + rows_in // st.group)
+          mask = jnp.logical_and(mask, keys <= offset + rows_in)
         s = jnp.where(mask, s, -jnp.inf)
       p = ops.exp2(s - ops.rows(lse, s.shape))
       plgpu.barrier_wait(v_loaded.at[slot])
@@ -554,8 +606,11 @@ def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scra
 
     q_smem[wg] = _scale_by(st.scale)(dq).astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[rows])
-    plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(has_rows)
+    def _store():  # TMA writes none of the rows past T
+      plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[rows])
+      plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == 2)
   def _producer():
@@ -579,15 +634,16 @@ def attention_backward(q, k, v, dout, lse, delta, kv_lengths, q_offsets, *, scal
   if not supported_backward(q.dtype, head_dim, tiles):
     raise ValueError(f"the Mosaic GPU backward takes 16-bit inputs, head sizes {HEAD_DIMS} and "
                      f"{ROWS} x {BLOCK_K} backward tiles; got {q.dtype}, {head_dim}, {tiles}")
+  if t < CTA_ROWS:
+    raise ValueError(f"the Mosaic GPU backward takes at least {CTA_ROWS} queries; got {t}")
   st = tri._static(q, k, scale=scale, causal=causal, tiles=tiles, interpret=False)
   rows = st.rows
-  padded_rows = cdiv(rows, CTA_ROWS) * CTA_ROWS
-  row_pad = ((0, 0), (0, 0), (0, padded_rows - rows))
-  qp, dop = (jnp.pad(tri.pack_rows(x, kv_heads), (*row_pad, (0, 0))) for x in (q, dout))
-  # [B, K, row blocks, 2, 64]: each 64-row block's log-sum-exp and delta, one copy.
-  stats = jnp.stack([jnp.pad(lse, row_pad, constant_values=jnp.inf), jnp.pad(delta, row_pad)],
-                    axis=-2)
-  stats = stats.reshape(b, kv_heads, 2, padded_rows // ROWS, ROWS).transpose(0, 1, 3, 2, 4)
+  padded_rows = cdiv(rows, ROWS) * ROWS
+  row_pad = ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0))
+  qp, dop = (jnp.pad(tri.pack_rows(x, kv_heads), row_pad) for x in (q, dout))
+  stats = _row_stats(lse, delta, padded_rows)
+  row_tiles = cdiv(t, CTA_ROWS)
+  head_stats = _row_stats(_per_head(lse, t), _per_head(delta, t), row_tiles * CTA_ROWS)
   k, v = (_zeroed_past_lengths(x, kv_lengths) for x in (k, v))
   scalars = _scalars(kv_lengths, q_offsets)
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -625,9 +681,10 @@ def attention_backward(q, k, v, dout, lse, delta, kv_lengths, q_offsets, *, scal
                                     scratch, st=st),
         smem, loaded, used, collective_axes="wg")
 
-  dqp = plgpu.kernel(
-      dq_entry, out_type=jax.ShapeDtypeStruct(qp.shape, q.dtype),
-      grid=(padded_rows // CTA_ROWS, b, kv_heads), grid_names=("rows", "batch", "kv_head"),
+  q, dout = _tma_padded(q), _tma_padded(dout)
+  dq = plgpu.kernel(
+      dq_entry, out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      grid=(row_tiles, b, n), grid_names=("rows", "batch", "head"),
       num_threads=3, thread_name="wg",
-  )(scalars, qp, dop, stats, k, v)
-  return tri.unpack_rows(dqp[:, :, :rows], t), dk[:, :seq], dv[:, :seq]
+  )(scalars, q, dout, head_stats, k, v)
+  return dq[:, :t], dk[:, :seq], dv[:, :seq]

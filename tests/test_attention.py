@@ -330,11 +330,17 @@ def test_mosaic_prefill_rule():
   assert not rule(1, 4096, 32, 8, interpret=True)
   sd = jax.ShapeDtypeStruct
   q, kv, ints = sd((1, 64, 4, 128), bf16), sd((1, 64, 2, 128), bf16), sd((1,), jnp.int32)
+  static = dict(scale=0.1, causal=True, interpret=False, mosaic=True,
+                tiles=kernels.attention_tiles(128, bf16, interpret=False))
   with pytest.raises(ValueError, match="split-KV"):
-    jax.eval_shape(functools.partial(
-        kernels.attention_forward, scale=0.1, causal=True, interpret=False, split=True,
-        mosaic=True, tiles=kernels.attention_tiles(128, bf16, interpret=False)), q, kv, kv, ints,
-        ints)
+    jax.eval_shape(functools.partial(kernels.attention_forward, split=True, **static),
+                   q, kv, kv, ints, ints)
+  with pytest.raises(ValueError, match="at least 128 queries"):
+    jax.eval_shape(functools.partial(kernels.attention_forward, split=False, **static),
+                   q, kv, kv, ints, ints)
+  with pytest.raises(ValueError, match="at least 128 queries"):
+    jax.eval_shape(functools.partial(kernels.attention_backward, **static),
+                   q, kv, kv, q, sd((1, 2, 128), jnp.float32), q, ints, ints)
 
 
 def _cuda_lowering_available():
