@@ -146,6 +146,13 @@ def _query_rows(st: tri._Static) -> tri._Static:
   return dataclasses.replace(st, rows=st.rows // st.group, group=1)
 
 
+def _longest_first(queries: tri._Static):
+  """This CTA's row tile, the grid's fastest axis, counted down: CTAs start in
+  grid order, so with a causal mask (later rows see more keys) each head's
+  longest tiles start first, its shortest last."""
+  return cdiv(queries.rows, CTA_ROWS) - 1 - lax.axis_index("rows")
+
+
 def _row_stats(lse, delta, padded_rows: int):
   """[B, X, R] log-sum-exp and delta (X heads of R rows) as [B, X, padded_rows /
   64, 2, 64]: each 64-row block's pair in one copy; rows past R get lse = +inf
@@ -239,9 +246,9 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
   dtype, width = q_smem.dtype, st.width
   blocks_per_chunk = st.tiles.chunk_k // BLOCK_K
   wg = lax.axis_index("wg")
-  row_tile, b, n = lax.axis_index("rows"), lax.axis_index("batch"), lax.axis_index("head")
-  h = lax.div(n, st.group)
   queries = _query_rows(st)
+  row_tile, b, n = _longest_first(queries), lax.axis_index("batch"), lax.axis_index("head")
+  h = lax.div(n, st.group)
   kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b)
   cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, queries)[2],
                            _bounds(1, kv_len, offset, row_tile, queries)[2])
@@ -529,9 +536,9 @@ def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scra
       (k_loaded, v_loaded, rows_loaded, scalars_loaded), (k_used, v_used) = scratch
   dtype = q_smem.dtype
   wg = lax.axis_index("wg")
-  row_tile, b, n = lax.axis_index("rows"), lax.axis_index("batch"), lax.axis_index("head")
-  h = lax.div(n, st.group)
   queries = _query_rows(st)
+  row_tile, b, n = _longest_first(queries), lax.axis_index("batch"), lax.axis_index("head")
+  h = lax.div(n, st.group)
   kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b)
   cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, queries)[2],
                            _bounds(1, kv_len, offset, row_tile, queries)[2])
