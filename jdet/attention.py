@@ -49,8 +49,8 @@ def dot_product_attention(query, key, value, *, scale=None, is_causal=False,
       (top-left aligned) when T < S. For decode against a cache holding L
       tokens, pass ``key_value_seq_lengths = L + T`` and ``query_offsets = L``.
     interpret: ``None`` picks by platform (the GPU kernels on a GPU: Triton, and
-      Mosaic GPU for large prefills on an H100, with the same bits; interpret
-      mode on CPU).
+      Mosaic GPU for large prefills and their backward on an H100, with the
+      same bits; interpret mode on CPU).
 
   Returns:
     ``[B, T, N, H]`` in query's dtype. A query with no valid key (length 0, or
