@@ -570,7 +570,11 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
   packed query rows in blocks of ``bwd_block_q``, in increasing order.
 
   q_ref, do_ref: [Rp, W]; lse_ref, delta_ref: [Rp]; k_ref, v_ref, dk_ref,
-  dv_ref: [bwd_block_k, W]. Keys at or past the valid length get zeros.
+  dv_ref: [bwd_block_k, W]. Keys at or past the valid length get zeros. On the
+  GPU Triton folds each ``acc + a @ b`` into the dot's accumulator, so dK and dV
+  are one k16 chain over the row blocks, which the Mosaic GPU twin
+  (:func:`pallas_kernels.attention_hopper.attention_backward`) repeats; its GPU
+  test compares the bits.
   """
   tiles = st.tiles
   bq, bk = tiles.bwd_block_q, tiles.bwd_block_k
