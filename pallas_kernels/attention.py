@@ -694,42 +694,50 @@ MOSAIC_PREFILL_HEAD_DIM = 128
 MOSAIC_PREFILL_WORK_PER_KEY = 2048
 
 
+def _mosaic_shapes(q_shape, kv_shape, device: Device) -> bool:
+  """The shape terms of the Mosaic GPU rules: an H100; at least 128 queries (a
+  CTA's rows: 128 queries of one head); at least a wave of such tiles; and
+  queries enough for the key length (MOSAIC_PREFILL_WORK_PER_KEY: a short
+  prefill into a long, preallocated cache stays on Triton, which reads only the
+  keys it needs)."""
+  from pallas_kernels import attention_hopper
+  batch, t, heads, _ = q_shape
+  seq, kv_heads = kv_shape[1], kv_shape[2]
+  rows = t * (heads // kv_heads)
+  tiles_of_rows = cdiv(t, attention_hopper.CTA_ROWS) * batch * heads
+  return (device.is_hopper and t >= attention_hopper.CTA_ROWS
+          and tiles_of_rows >= device.sm_count and rows * t >= MOSAIC_PREFILL_WORK_PER_KEY * seq)
+
+
 def use_mosaic_prefill(q_shape, kv_shape, dtype, tiles: AttentionTiles, *, interpret: bool,
                        device: Device | None = None) -> bool:
   """Whether the prefill of query [B, T, N, H] against keys [B, S, K, H] runs on
   the Mosaic GPU kernel (:mod:`pallas_kernels.attention_hopper`) rather than the
-  Triton one. It does on an H100, for inputs and tiles it takes, at head size
-  128, with at least 128 queries (a CTA's rows: 128 queries of one head), at
-  least a wave of such tiles, and queries enough for the key length
-  (MOSAIC_PREFILL_WORK_PER_KEY: a short prefill into a long, preallocated cache
-  stays on Triton, which reads only the keys it needs). With fewer tiles (B = 1,
-  T = 300, 28 heads: 68) or at head size 64 it ran slower than Triton on the H100
+  Triton one: for inputs and tiles it takes, at head size 128, where
+  :func:`_mosaic_shapes` holds. With fewer tiles (B = 1, T = 300, 28 heads: 68)
+  or at head size 64 it ran slower than Triton on the H100
   (benchmarks/results/h100.md, twenty-first session). A function of shapes only;
   both kernels give the same bits."""
   from pallas_kernels import attention_hopper
   if interpret:
     return False
-  device = device or Device.current()
-  batch, t, heads, head_dim = q_shape
-  seq, kv_heads = kv_shape[1], kv_shape[2]
-  rows = t * (heads // kv_heads)
-  tiles_of_rows = cdiv(t, attention_hopper.CTA_ROWS) * batch * heads
-  return (device.is_hopper and head_dim == MOSAIC_PREFILL_HEAD_DIM
-          and t >= attention_hopper.CTA_ROWS and tiles_of_rows >= device.sm_count
-          and rows * t >= MOSAIC_PREFILL_WORK_PER_KEY * seq
-          and attention_hopper.supported(dtype, head_dim, tiles))
+  return (q_shape[3] == MOSAIC_PREFILL_HEAD_DIM
+          and _mosaic_shapes(q_shape, kv_shape, device or Device.current())
+          and attention_hopper.supported(dtype, q_shape[3], tiles))
 
 
 def use_mosaic_backward(q_shape, kv_shape, dtype, tiles: AttentionTiles, *, interpret: bool,
                         device: Device | None = None) -> bool:
   """Whether the backward's dK/dV and dQ kernels run on Mosaic GPU
   (:func:`pallas_kernels.attention_hopper.attention_backward`) rather than
-  Triton: where the prefill does (:func:`use_mosaic_prefill`, the same passes
-  over K and V) and the Mosaic kernels take the backward tiles. A function of
-  shapes only; both give the same bits."""
+  Triton: for inputs and tiles they take (head sizes 64 and 128) where
+  :func:`_mosaic_shapes` holds. There they ran 1.12-1.51x faster than Triton on
+  the H100, at B = 1, T = 300 (84 tiles) 0.84x (benchmarks/results/h100.md,
+  twenty-second session). A function of shapes only; both give the same bits."""
   from pallas_kernels import attention_hopper
-  return (use_mosaic_prefill(q_shape, kv_shape, dtype, tiles, interpret=interpret,
-                             device=device)
+  if interpret:
+    return False
+  return (_mosaic_shapes(q_shape, kv_shape, device or Device.current())
           and attention_hopper.supported_backward(dtype, q_shape[3], tiles))
 
 
