@@ -120,6 +120,34 @@ def _scale_by(factor: float):
   return _ptx_op(f"mul.rn.f32 $0, $1, 0f{bits:08X};")
 
 
+def _iota(shape, dim: int):
+  """int32 indices along ``dim`` of a [rows, cols] block in the wgmma layout."""
+  plgpu = mosaic_gpu()
+  return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=plgpu.Layout.WGMMA)
+
+
+def _masked(s, keys, key_limit, positions=None):
+  """Logits ``s`` with -inf where the key (``keys``, int32 like ``s``) is at or
+  past ``key_limit`` or, given the rows' ``positions`` (causal), past its row's
+  position: the masks of ``attention._block_step`` and the Triton backward."""
+  mask = keys < key_limit
+  if positions is not None:
+    mask = jnp.logical_and(mask, keys <= positions)
+  return jnp.where(mask, s, -jnp.inf)
+
+
+def _logits(a_ref, b_ref, shape, st: tri._Static):
+  """``mul.rn(a @ b^T, scale * log2(e))``: [shape] float32 base-2 logits from two
+  shared-memory blocks (one k16 wgmma chain), as the Triton kernels' logits."""
+  plgpu = mosaic_gpu()
+
+  def product(acc_ref):
+    plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
+    return acc_ref[...]
+
+  return _scale_by(st.scale * tri.LOG2E)(pl.run_scoped(product, plgpu.ACC(shape, jnp.float32)))
+
+
 def _empty(width: int):
   plgpu = mosaic_gpu()
   row = plgpu.Layout.WGMMA.reduce(1)
@@ -270,9 +298,8 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
     total_smem[wg] = plgpu.layout_cast(jnp.full((ROWS, width), 0.0, jnp.float32), wgmma_layout)
     plgpu.commit_smem()
     pl.when(has_rows)(lambda: plgpu.barrier_wait(q_loaded.at[wg]))
-    row_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK_K), 0, layout=wgmma_layout)
-    key_ids = plgpu.broadcasted_iota(jnp.int32, (ROWS, BLOCK_K), 1, layout=wgmma_layout)
-    row_pos = offset + row_start + row_ids
+    key_ids = _iota((ROWS, BLOCK_K), 1)
+    row_pos = offset + row_start + _iota((ROWS, BLOCK_K), 0) if st.causal else None
 
     def block_step(kb, state, *, masked: bool):
       """``attention._block_step`` on key block ``kb``, in wgmma and PTX ops."""
@@ -288,11 +315,7 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
       plgpu.barrier_arrive(k_used.at[slot])
       s = _scale_by(st.scale * tri.LOG2E)(s)
       if masked:
-        keys = kb * BLOCK_K + key_ids
-        mask = keys < key_limit
-        if st.causal:
-          mask = jnp.logical_and(mask, keys <= row_pos)
-        s = jnp.where(mask, s, -jnp.inf)
+        s = _masked(s, kb * BLOCK_K + key_ids, key_limit, row_pos)
       m, l, acc = state
       m_new = jnp.maximum(m, s.max(axis=1))
       shift = tri._finite_or_zero(m_new)
@@ -453,20 +476,12 @@ def _dkdv_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dk_ref, dv
       slot = lax.rem(rb, STAGES)
       plgpu.barrier_wait(rows_loaded.at[slot])
 
-      def logits_of(acc_ref):
-        plgpu.wgmma(acc_ref, k_smem.at[wg], q_smem.at[slot].transpose((1, 0)))
-        return acc_ref[...]
-
-      s_t = _scale_by(st.scale * tri.LOG2E)(
-          pl.run_scoped(logits_of, plgpu.ACC((BLOCK_K, ROWS), jnp.float32)))
+      s_t = _logits(k_smem.at[wg], q_smem.at[slot], (BLOCK_K, ROWS), st)
       if masked:
-        keys = key_start + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 0, layout=wgmma_layout)
-        mask = keys < key_limit
+        positions = None
         if st.causal:
-          rows = rb * ROWS + plgpu.broadcasted_iota(jnp.int32, s_t.shape, 1,
-                                                    layout=wgmma_layout)
-          mask = jnp.logical_and(mask, keys <= offset + rows // st.group)
-        s_t = jnp.where(mask, s_t, -jnp.inf)
+          positions = offset + (rb * ROWS + _iota(s_t.shape, 1)) // st.group
+        s_t = _masked(s_t, key_start + _iota(s_t.shape, 0), key_limit, positions)
       lse = plgpu.layout_cast(stats_smem[slot, 0], by_column)
       p_t = ops.exp2(s_t - lax.broadcast_in_dim(lse, s_t.shape, [1]))
 
@@ -565,20 +580,10 @@ def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scra
       slot = lax.rem(kb, STAGES)
       plgpu.barrier_wait(k_loaded.at[slot])
 
-      def logits_of(acc_ref):
-        plgpu.wgmma(acc_ref, q_smem.at[wg], k_smem.at[slot].transpose((1, 0)))
-        return acc_ref[...]
-
-      s = _scale_by(st.scale * tri.LOG2E)(
-          pl.run_scoped(logits_of, plgpu.ACC((ROWS, BLOCK_K), jnp.float32)))
+      s = _logits(q_smem.at[wg], k_smem.at[slot], (ROWS, BLOCK_K), st)
       if masked:
-        keys = kb * BLOCK_K + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=wgmma_layout)
-        mask = keys < key_limit
-        if st.causal:
-          rows_in = row_start + plgpu.broadcasted_iota(jnp.int32, s.shape, 0,
-                                                       layout=wgmma_layout)
-          mask = jnp.logical_and(mask, keys <= offset + rows_in)
-        s = jnp.where(mask, s, -jnp.inf)
+        positions = offset + row_start + _iota(s.shape, 0) if st.causal else None
+        s = _masked(s, kb * BLOCK_K + _iota(s.shape, 1), key_limit, positions)
       p = ops.exp2(s - ops.rows(lse, s.shape))
       plgpu.barrier_wait(v_loaded.at[slot])
 
