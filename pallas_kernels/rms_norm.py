@@ -11,10 +11,9 @@ alignment in the array, and the sum must not). Rows never mix: a row's bits
 depend on its own data, the weight and the tile, and the tile
 (:func:`rms_norm_tiles`) is a function of H alone, never of the row count. Rows
 past M (always masked, whatever M) and columns past H are read as 0 and not
-stored. The forward and dx
-kernels read M from an operand on a bucketed grid (``_common.counted_rows_call``),
-the dweight sum the number of partials: one compiled kernel serves every M of a
-bucket.
+stored. The forward and dx kernels read M from an operand on a bucketed grid
+(``_common.counted_rows_call``), the dweight sum the number of partials: one
+compiled kernel serves every M of a bucket.
 
 Per row, in float32: ``mean = sum(h²) / H``, ``rstd = rsqrt(mean + eps)``,
 ``y = (h * rstd) * w`` rounded to the input dtype, where ``h = x`` or, with a
