@@ -32,8 +32,8 @@ from jax.extend import core as jex_core
 from pallas_kernels import clear_interpret_executables, synchronous_cpu_dispatch
 
 __all__ = ["assert_batch_invariant", "assert_deterministic", "assert_bitwise_equal",
-           "audit", "Finding", "bits", "random_normal", "relative_error",
-           "release_compiled_programs", "synchronous_cpu_dispatch"]
+           "audit", "Finding", "bits", "cuda_lowering_available", "random_normal",
+           "relative_error", "release_compiled_programs", "synchronous_cpu_dispatch"]
 
 
 def release_compiled_programs() -> None:
@@ -214,6 +214,16 @@ def _restore(xs, axes):
 
 def _moveaxis_tree(tree, axis):
   return jax.tree.map(lambda y: jnp.moveaxis(y, axis, 0), tree)
+
+
+def cuda_lowering_available() -> bool:
+  """Whether this jax can lower programs for an NVIDIA GPU (``lowering_platforms=
+  ("cuda",)``) on this machine, GPU or not."""
+  try:
+    jax.jit(lambda x: x).trace(jnp.zeros(1)).lower(lowering_platforms=("cuda",))
+    return True
+  except Exception:  # noqa: BLE001 - no CUDA lowering rules installed
+    return False
 
 
 def lowered_triton_kernels(fn: Callable[..., Any], *args) -> list[str]:

@@ -11,15 +11,15 @@ kernels emits on the H100 too, so the two give the same bits and
 
 One program per SM walks the output tiles (a persistent grid). Each program
 has a TMA producer warpgroup and two consumer warpgroups, each owning half of a
-``block_m x 2 block_n`` tile. Where the pipeline depth divides the number of
-contraction steps, the producer runs on into the next tile's loads while the
-consumers store the last one. The last row and column of tiles are shifted
-back to end at the result's edge, overlapping their neighbours (whose rows and
-columns they recompute to the same bits and store again), so no tile reads
-zero-filled rows past an operand: at K = 13824 those made a 304-row GEMM 45%
-slower than a 384-row one with the same tiles. A partial last contraction step
-needs no masking: TMA loads outside the operand read zeros. Only 16-bit
-operands (bfloat16, float16).
+``block_m x 2 block_n`` tile. The producer streams the contraction steps of all
+the program's tiles through one ring of shared-memory stages, so it runs on
+into the next tile's loads while the consumers store the last one. The last row
+and column of tiles are shifted back to end at the result's edge, overlapping
+their neighbours (whose rows and columns they recompute to the same bits and
+store again), so no tile reads zero-filled rows past an operand: at K = 13824
+those made a 304-row GEMM 45% slower than a 384-row one with the same tiles. A
+partial last contraction step needs no masking: TMA loads outside the operand
+read zeros. Only 16-bit operands (bfloat16, float16).
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ class HopperTiles:
 
 
 # dB's tile, and the forward/dA tile for large results: strips 8 row-tiles
-# wide, 4 stages, warpgroups split by rows, one stage ring across tiles
+# wide, 4 stages, warpgroups split by rows
 # (`benchmarks/tune_matmul.py --hopper-m`; notes/h100_notebook.md, "the Mosaic
 # kernel's config sweep" and the eighth and ninth sessions' sections, which
 # also record the schedules that were not adopted).
@@ -110,102 +110,115 @@ ROW_TILES: tuple[HopperTiles, ...] = (
 LADDER_ROWS = 128
 
 
-def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
-            rows: int, cols: int, k_steps: int):
+def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles, rows: int,
+            cols: int, k_steps: int, programs: int):
   plgpu = mosaic_gpu()
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
-  bm, bn = tiles.block_m, tiles.block_n
-  cta_n = tiles.block_cols
+  bm, cta_n = tiles.block_m, tiles.block_cols
   swizzle = plgpu.find_swizzle(BLOCK_K * dtype.itemsize * 8)
   transforms = (plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
                 plgpu.SwizzleTransform(swizzle))
-  epi_m = epi_n = EPILOGUE_TILE
-  out_swizzle = plgpu.find_swizzle(epi_n * jnp.dtype(out_dtype).itemsize * 8)
+  epi = EPILOGUE_TILE
+  out_swizzle = plgpu.find_swizzle(epi * jnp.dtype(out_dtype).itemsize * 8)
   out_transforms = (plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
                     plgpu.SwizzleTransform(out_swizzle))
-  lhs_t = layout is Layout.TN
-  rhs_t = layout is Layout.NT
-  lhs_spec = plgpu.BlockSpec(
-      (BLOCK_K, bm) if lhs_t else (bm, BLOCK_K),
-      (lambda k: (k, 0)) if lhs_t else (lambda k: (0, k)),
-      transforms=transforms, memory_space=plgpu.SMEM)
-  rhs_spec = plgpu.BlockSpec(
-      (cta_n, BLOCK_K) if rhs_t else (BLOCK_K, cta_n),
-      (lambda k: (0, k)) if rhs_t else (lambda k: (k, 0)),
-      transforms=transforms, memory_space=plgpu.SMEM)
-
+  lhs_t, rhs_t = layout is Layout.TN, layout is Layout.NT
   stages = min(tiles.num_stages, k_steps)
-  # One ring of stages across a program's tiles needs every tile to end on the
-  # same slot; elsewhere each tile's pipeline fills and drains on its own.
-  ring_across_tiles = k_steps % stages == 0
-
-  def pipeline(body, compute_context, state=None):
-    return plgpu.emit_pipeline_warp_specialized(
-        body, grid=(k_steps,), memory_registers=40, in_specs=[lhs_spec, rhs_spec],
-        wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=stages,
-        compute_context=compute_context, pipeline_state=state)
-
-  ignore = lambda *_, **__: None
   num_m, num_n = cdiv(rows, bm), cdiv(cols, cta_n)
-  if tiles.split_rows:
-    acc_m, acc_n = bm // 2, cta_n
-  else:
-    acc_m, acc_n = bm, bn
+  num_tiles = num_m * num_n
+  acc_m, acc_n = (bm // 2, cta_n) if tiles.split_rows else (bm, tiles.block_n)
+  program = lax.axis_index("sm")
 
-  @functools.partial(
-      pl.run_scoped,
-      pipeline_allocs=pipeline(ignore, ignore).get_allocations(lhs_gmem, rhs_gmem),
-      out_smem=plgpu.SMEM((2, 2, epi_m, epi_n), out_dtype, transforms=out_transforms),
-      collective_axes="wg")
-  def _scope(pipeline_allocs, out_smem):
+  def tile_slices(tile):
+    """The tile's rows and columns of the result; edge tiles end at its edge."""
+    i, j = plgpu.planar_snake(tile, (num_m, num_n), tiles.strip_dim, tiles.strip_width)
+    return (pl.ds(jnp.minimum(i * bm, rows - bm), bm),
+            pl.ds(jnp.minimum(j * cta_n, cols - cta_n), cta_n))
+
+  lhs_block = (BLOCK_K, bm) if lhs_t else (bm, BLOCK_K)
+  rhs_block = (cta_n, BLOCK_K) if rhs_t else (BLOCK_K, cta_n)
+  smem = (plgpu.SMEM((stages, *lhs_block), dtype, transforms=transforms),
+          plgpu.SMEM((stages, *rhs_block), dtype, transforms=transforms),
+          plgpu.SMEM((2, 2, epi, epi), out_dtype, transforms=out_transforms))
+  # A slot's two copies (lhs and rhs blocks) arrive on its loaded barrier; both
+  # consumers release it.
+  barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+              plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+
+  def body(lhs_smem, rhs_smem, out_smem, loaded, consumed):
     wg = lax.axis_index("wg")
 
-    @plgpu.nd_loop((num_m * num_n,), collective_axes="sm")
-    def _tile_loop(loop_info):
-      (t,) = loop_info.index
-      i, j = plgpu.planar_snake(t, (num_m, num_n), tiles.strip_dim, tiles.strip_width)
-      # Edge tiles end at the result's edge (module docstring).
-      m_slice = pl.ds(jnp.minimum(i * bm, rows - bm), bm)
-      n_slice = pl.ds(jnp.minimum(j * cta_n, cols - cta_n), cta_n)
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(232, action="increase")
       if tiles.split_rows:
         wg_rows, wg_cols = pl.ds(wg * acc_m, acc_m), slice(None)
       else:
-        wg_rows, wg_cols = slice(None), pl.ds(wg * bn, bn)
+        wg_rows, wg_cols = slice(None), pl.ds(wg * acc_n, acc_n)
 
-      def compute_context(run_pipeline):
-        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((acc_m, acc_n), jnp.float32))
-        def _acc_scope(acc_ref):
-          run_pipeline(acc_ref)
-          acc = acc_ref[...].astype(out_dtype)
+      def consume(j, counter):
+        tile = program + j * programs
+        m_slice, n_slice = tile_slices(tile)
+
+        @pl.when(tile < num_tiles)
+        def _tile():
+          def mainloop(acc_ref):
+            def step(_, c):
+              slot = lax.rem(c, stages)
+              plgpu.barrier_wait(loaded.at[slot])
+              lhs = (lhs_smem.at[slot, :, wg_rows].transpose((1, 0)) if lhs_t
+                     else lhs_smem.at[slot, wg_rows, :])
+              rhs = (rhs_smem.at[slot, wg_cols, :].transpose((1, 0)) if rhs_t
+                     else rhs_smem.at[slot, :, wg_cols])
+              plgpu.wgmma(acc_ref, lhs, rhs)
+              plgpu.wgmma_wait(0)
+              plgpu.barrier_arrive(consumed.at[slot])
+              return c + 1
+
+            lax.fori_loop(0, k_steps, step, counter)
+
+          zeros = plgpu.layout_cast(jnp.zeros((acc_m, acc_n), jnp.float32),
+                                    plgpu.Layout.WGMMA)
+          out = pl.run_state(mainloop)(plgpu.ACC.init(zeros)).astype(out_dtype)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           out_tile = out_gmem.at[m_slice, n_slice].at[wg_rows, wg_cols]
-          for mi in range(acc_m // epi_m):
-            for ni in range(acc_n // epi_n):
-              slot = (mi * (acc_n // epi_n) + ni) % 2
-              epi = (slice(mi * epi_m, (mi + 1) * epi_m), slice(ni * epi_n, (ni + 1) * epi_n))
-              plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-              out_smem[wg, slot] = acc[epi]
-              plgpu.commit_smem()
-              plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], out_tile.at[epi])
+          for e in range((acc_m // epi) * (acc_n // epi)):
+            mi, ni = divmod(e, acc_n // epi)
+            part = (slice(mi * epi, (mi + 1) * epi), slice(ni * epi, (ni + 1) * epi))
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            out_smem[wg, e % 2] = out[part]
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg, e % 2], out_tile.at[part])
 
-      def mma(_, lhs_smem, rhs_smem, acc_ref):
-        lhs = lhs_smem.at[:, wg_rows].transpose((1, 0)) if lhs_t else lhs_smem.at[wg_rows, :]
-        rhs = rhs_smem.at[wg_cols, :].transpose((1, 0)) if rhs_t else rhs_smem.at[:, wg_cols]
-        plgpu.wgmma(acc_ref, lhs, rhs)
-        plgpu.wgmma_wait(0)
-        return acc_ref
+        return counter + jnp.where(tile < num_tiles, k_steps, 0)
 
-      lhs_tile = lhs_gmem.at[:, m_slice] if lhs_t else lhs_gmem.at[m_slice, :]
-      rhs_tile = rhs_gmem.at[n_slice, :] if rhs_t else rhs_gmem.at[:, n_slice]
-      # No pipeline follows a program's last tile, so none needs the STOP state
-      # (whose only work is to wait until the last steps are consumed).
-      state = None
-      if ring_across_tiles:
-        state = jnp.where(loop_info.local_index == 0, plgpu.PipelinePipeline.START,
-                          plgpu.PipelinePipeline.STEADY)
-      pipeline(mma, compute_context, state)(lhs_tile, rhs_tile, allocations=pipeline_allocs)
+      lax.fori_loop(0, cdiv(num_tiles, programs), consume, jnp.int32(0))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def produce(j, counter):
+        tile = program + j * programs
+        m_slice, n_slice = tile_slices(tile)
+
+        def step(k, c):
+          slot = lax.rem(c, stages)
+          pl.when(c >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
+          ks = pl.ds(k * BLOCK_K, BLOCK_K)
+          plgpu.copy_gmem_to_smem(lhs_gmem.at[ks, m_slice] if lhs_t else lhs_gmem.at[m_slice, ks],
+                                  lhs_smem.at[slot], loaded.at[slot])
+          plgpu.copy_gmem_to_smem(rhs_gmem.at[n_slice, ks] if rhs_t else rhs_gmem.at[ks, n_slice],
+                                  rhs_smem.at[slot], loaded.at[slot])
+          return c + 1
+
+        return lax.fori_loop(0, jnp.where(tile < num_tiles, k_steps, 0), step, counter)
+
+      lax.fori_loop(0, cdiv(num_tiles, programs), produce, jnp.int32(0))
+
+  pl.run_scoped(lambda *refs: body(*refs[:3], *refs[3]), *smem, barriers,
+                collective_axes="wg")
 
 
 # TMA copies tiles of 8 rows x 64 columns (16-bit, 128-byte swizzle): an
@@ -254,12 +267,13 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
 def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles, rows: int, cols: int,
             k_steps: int):
   plgpu = mosaic_gpu()
+  programs = min(jax.devices()[0].core_count, tiles.tile_count(rows, cols))
   kernel = functools.partial(_kernel, layout=layout, tiles=tiles, rows=rows, cols=cols,
-                             k_steps=k_steps)
+                             k_steps=k_steps, programs=programs)
   return plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((rows, cols), out_dtype),
-      grid=(min(jax.devices()[0].core_count, tiles.tile_count(rows, cols)),),
+      grid=(programs,),
       grid_names=("sm",),
       num_threads=3,
       thread_name="wg",

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 
 import jdet
-from jdet.testing import assert_bitwise_equal, random_normal, relative_error
+from jdet.testing import (assert_bitwise_equal, cuda_lowering_available, random_normal,
+                          relative_error)
 from pallas_kernels import attention as kernels
 from pallas_kernels import attention_hopper
 from jdet.bench import on_gpu
@@ -347,14 +348,6 @@ def test_mosaic_prefill_rule():
                    q, kv, kv, q, sd((1, 2, 128), jnp.float32), q, ints, ints)
 
 
-def _cuda_lowering_available():
-  try:
-    jax.jit(lambda x: x).trace(jnp.zeros(1)).lower(lowering_platforms=("cuda",))
-    return True
-  except Exception:  # noqa: BLE001 - no CUDA plugin installed
-    return False
-
-
 @pytest.mark.skipif(on_gpu(), reason="the GPU tests compile the kernels for real")
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -362,7 +355,7 @@ def test_kernels_lower_for_cuda(dtype, head_dim):
   """Every kernel lowers for the GPU, the H100 prefill and backward (Mosaic GPU)
   too where they take the inputs, with a sequence length that TMA's 8-key tiles
   do not divide."""
-  if not _cuda_lowering_available():
+  if not cuda_lowering_available():
     pytest.skip("jax's CUDA plugin is not installed")
   sd = jax.ShapeDtypeStruct
   q, kv = sd((2, 300, 8, head_dim), dtype), sd((2, 1001, 2, head_dim), dtype)

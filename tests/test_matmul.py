@@ -18,7 +18,7 @@ import pytest
 
 import jdet
 from jdet.testing import (assert_batch_invariant, assert_bitwise_equal, assert_deterministic,
-                          random_normal, relative_error)
+                          cuda_lowering_available, random_normal, relative_error)
 from pallas_kernels import hopper_matmul as hopper
 from pallas_kernels import matmul as kernels
 from pallas_kernels import matmul_plan
@@ -376,6 +376,24 @@ def test_plan_mosaic_row_tile_rule():
   assert pick(4096, 192).fits(4096, 192) and pick(4096, 64) is None  # only tiles that fit
   with pytest.raises(ValueError, match="split_rows needs block_m = 128"):
     hopper.HopperTiles(64, 128, split_rows=True)
+
+
+@pytest.mark.skipif(on_gpu(), reason="the GPU tests compile the kernel for real")
+def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
+  """Each Mosaic GPU tile lowers for an H100 (132 SMs) in each layout, the forward
+  with a token count that TMA's 8-row tiles do not divide."""
+  if not cuda_lowering_available():
+    pytest.skip("jax's CUDA lowering is not installed")
+  h100 = type("H100", (), {"core_count": 132})()
+  monkeypatch.setattr(jax, "devices", lambda *_: [h100])
+  sd = jax.ShapeDtypeStruct
+  operands = {Layout.NN: ((1001, 128), (128, 1024)), Layout.NT: ((1000, 128), (1024, 128)),
+              Layout.TN: ((300, 1024), (300, 1024))}
+  for layout, (lhs, rhs) in operands.items():
+    for tiles in [hopper.TILES] if layout is Layout.TN else hopper.ROW_TILES:
+      tiles = kernels.fit_stages(tiles, bf16, bf16)
+      gemm = functools.partial(hopper.matmul, layout=layout, out_dtype=bf16, tiles=tiles)
+      jax.jit(gemm).trace(sd(lhs, bf16), sd(rhs, bf16)).lower(lowering_platforms=("cuda",))
 
 
 def _gpu_ladder_configs():
