@@ -684,8 +684,6 @@ def _rows_spec(block: int, width: int | None = None):
   return pl.BlockSpec((None, None, block, width), lambda i, b, h: (b, h, i, 0))
 
 
-# The head size at which the Mosaic GPU prefill beats the Triton one on the H100.
-MOSAIC_PREFILL_HEAD_DIM = 128
 # The Mosaic prefill's launcher passes over all S keys of V once (and of K, where
 # S is not a multiple of 8); the kernel's work grows as rows x T. It runs only
 # where rows x T is at least this many times S, which keeps that pass to a few
@@ -713,16 +711,15 @@ def use_mosaic_prefill(q_shape, kv_shape, dtype, tiles: AttentionTiles, *, inter
                        device: Device | None = None) -> bool:
   """Whether the prefill of query [B, T, N, H] against keys [B, S, K, H] runs on
   the Mosaic GPU kernel (:mod:`pallas_kernels.attention_hopper`) rather than the
-  Triton one: for inputs and tiles it takes, at head size 128, where
-  :func:`_mosaic_shapes` holds. With fewer tiles (B = 1, T = 300, 28 heads: 68)
-  or at head size 64 it ran slower than Triton on the H100
-  (benchmarks/results/h100.md, twenty-first session). A function of shapes only;
-  both kernels give the same bits."""
+  Triton one: for inputs and tiles it takes (head sizes 64 and 128) where
+  :func:`_mosaic_shapes` holds. There it ran 1.00-1.46x the Triton prefill's speed
+  on the H100; with fewer tiles (B = 1, T = 300, 28 heads: 68) it ran slower
+  (benchmarks/results/h100.md, twenty-first and twenty-third sessions). A function
+  of shapes only; both kernels give the same bits."""
   from pallas_kernels import attention_hopper
   if interpret:
     return False
-  return (q_shape[3] == MOSAIC_PREFILL_HEAD_DIM
-          and _mosaic_shapes(q_shape, kv_shape, device or Device.current())
+  return (_mosaic_shapes(q_shape, kv_shape, device or Device.current())
           and attention_hopper.supported(dtype, q_shape[3], tiles))
 
 

@@ -306,20 +306,20 @@ def test_few_rows_take_a_smaller_row_tile():
 
 
 def test_mosaic_prefill_rule():
-  """The H100 prefill and backward (Mosaic GPU) serve 16-bit inputs with at least a
-  wave of 128-query tiles, the prefill at head size 128, the backward at 64 and
-  128; everything else stays on Triton."""
+  """The H100 prefill and backward (Mosaic GPU) serve 16-bit inputs at head sizes
+  64 and 128 with at least a wave of 128-query tiles; everything else stays on
+  Triton."""
   h100, a100 = kernels.Device("gpu", "9.0", 132), kernels.Device("gpu", "8.0", 108)
   bf16, f32 = jnp.bfloat16, jnp.float32
 
   def rule(batch, t, heads, kv_heads, head_dim=128, dtype=bf16, device=h100, interpret=False,
            seq=None):
-    """The prefill's choice; the backward's must be the same at head size 128."""
+    """The prefill's and the backward's choices, which agree."""
     tiles = kernels.attention_tiles(head_dim, dtype, interpret=interpret)
     shapes = ((batch, t, heads, head_dim), (batch, seq or t, kv_heads, head_dim), dtype, tiles)
     prefill = kernels.use_mosaic_prefill(*shapes, interpret=interpret, device=device)
     backward = kernels.use_mosaic_backward(*shapes, interpret=interpret, device=device)
-    assert backward == prefill or head_dim != 128, shapes
+    assert backward == prefill, shapes
     return prefill, backward
 
   both, neither = (True, True), (False, False)
@@ -328,7 +328,7 @@ def test_mosaic_prefill_rule():
   assert rule(1, 300, 28, 4) == neither  # 84 tiles of 128 queries for 132 SMs
   assert rule(64, 1, 32, 8) == neither  # decode
   assert rule(8, 512, 32, 8, seq=32768) == neither  # a short prefill into a long cache
-  assert rule(2, 2048, 16, 16, head_dim=64) == (False, True)
+  assert rule(2, 2048, 16, 16, head_dim=64) == both
   assert rule(2, 1000, 16, 16, head_dim=64) == neither  # 1000 x 1000 rows x T < 2048 x S
   assert rule(1, 4096, 32, 8, dtype=f32) == neither
   assert rule(1, 4096, 32, 8, device=a100) == neither
