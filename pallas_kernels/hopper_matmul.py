@@ -112,6 +112,9 @@ LADDER_ROWS = 128
 
 def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles, rows: int,
             cols: int, k_steps: int, programs: int):
+  """Program ``sm`` of ``programs`` takes tiles sm, sm + programs, ...; its producer
+  and consumers count the contraction steps they have passed (``steps_done``)
+  to find each step's slot in the ring of stages."""
   plgpu = mosaic_gpu()
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
   bm, cta_n = tiles.block_m, tiles.block_cols
@@ -156,7 +159,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
       else:
         wg_rows, wg_cols = slice(None), pl.ds(wg * acc_n, acc_n)
 
-      def consume(j, counter):
+      def consume(j, steps_done):
         tile = program + j * programs
         m_slice, n_slice = tile_slices(tile)
 
@@ -175,7 +178,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
               plgpu.barrier_arrive(consumed.at[slot])
               return c + 1
 
-            lax.fori_loop(0, k_steps, step, counter)
+            lax.fori_loop(0, k_steps, step, steps_done)
 
           zeros = plgpu.layout_cast(jnp.zeros((acc_m, acc_n), jnp.float32),
                                     plgpu.Layout.WGMMA)
@@ -190,7 +193,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(out_smem.at[wg, e % 2], out_tile.at[part])
 
-        return counter + jnp.where(tile < num_tiles, k_steps, 0)
+        return steps_done + jnp.where(tile < num_tiles, k_steps, 0)
 
       lax.fori_loop(0, cdiv(num_tiles, programs), consume, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -199,7 +202,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
 
-      def produce(j, counter):
+      def produce(j, steps_done):
         tile = program + j * programs
         m_slice, n_slice = tile_slices(tile)
 
@@ -213,7 +216,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
                                   rhs_smem.at[slot], loaded.at[slot])
           return c + 1
 
-        return lax.fori_loop(0, jnp.where(tile < num_tiles, k_steps, 0), step, counter)
+        return lax.fori_loop(0, jnp.where(tile < num_tiles, k_steps, 0), step, steps_done)
 
       lax.fori_loop(0, cdiv(num_tiles, programs), produce, jnp.int32(0))
 
