@@ -384,6 +384,21 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
                        b, h, cta_blocks)
 
 
+def _checked_static(kernel: str, takes: bool, tile_terms: str, q, k, *, scale: float,
+                    causal: bool, tiles: tri.AttentionTiles) -> tri._Static:
+  """The static sizes of the Mosaic GPU ``kernel`` ("prefill" or "backward") for
+  query [B, T, N, H] and keys [B, S, K, H], after checking that it takes them:
+  ``takes`` (its ``supported`` test; ``tile_terms`` names the tiles it needs) and
+  at least CTA_ROWS queries. Raises ValueError otherwise."""
+  t, head_dim = q.shape[1], q.shape[3]
+  if not takes:
+    raise ValueError(f"the Mosaic GPU {kernel} takes 16-bit inputs, head sizes {HEAD_DIMS} and "
+                     f"{tile_terms}; got {q.dtype}, {head_dim}, {tiles}")
+  if t < CTA_ROWS:
+    raise ValueError(f"the Mosaic GPU {kernel} takes at least {CTA_ROWS} queries; got {t}")
+  return tri._static(q, k, scale=scale, causal=causal, tiles=tiles, interpret=False)
+
+
 def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: bool,
                       tiles: tri.AttentionTiles):
   """The prefill forward of :func:`pallas_kernels.attention.attention_forward`
@@ -391,13 +406,9 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
   :func:`supported` for the inputs and tiles it takes."""
   plgpu = mosaic_gpu()
   b, t, n, head_dim = q.shape
-  seq, kv_heads = k.shape[1], k.shape[2]
-  if not supported(q.dtype, head_dim, tiles):
-    raise ValueError(f"the Mosaic GPU prefill takes 16-bit inputs, head sizes {HEAD_DIMS} and "
-                     f"{BLOCK_K}-key blocks; got {q.dtype}, {head_dim}, {tiles}")
-  if t < CTA_ROWS:
-    raise ValueError(f"the Mosaic GPU prefill takes at least {CTA_ROWS} queries; got {t}")
-  st = tri._static(q, k, scale=scale, causal=causal, tiles=tiles, interpret=False)
+  kv_heads = k.shape[2]
+  st = _checked_static("prefill", supported(q.dtype, head_dim, tiles), f"{BLOCK_K}-key blocks",
+                       q, k, scale=scale, causal=causal, tiles=tiles)
   row_tiles = cdiv(t, CTA_ROWS)
   q, k, v = _tma_padded(q), _tma_padded(k), _zeroed_past_lengths(v, kv_lengths)
   scalars = _scalars(kv_lengths, q_offsets)
@@ -643,12 +654,9 @@ def attention_backward(q, k, v, dout, lse, delta, kv_lengths, q_offsets, *, scal
   plgpu = mosaic_gpu()
   b, t, n, head_dim = q.shape
   seq, kv_heads = k.shape[1], k.shape[2]
-  if not supported_backward(q.dtype, head_dim, tiles):
-    raise ValueError(f"the Mosaic GPU backward takes 16-bit inputs, head sizes {HEAD_DIMS} and "
-                     f"{ROWS} x {BLOCK_K} backward tiles; got {q.dtype}, {head_dim}, {tiles}")
-  if t < CTA_ROWS:
-    raise ValueError(f"the Mosaic GPU backward takes at least {CTA_ROWS} queries; got {t}")
-  st = tri._static(q, k, scale=scale, causal=causal, tiles=tiles, interpret=False)
+  st = _checked_static("backward", supported_backward(q.dtype, head_dim, tiles),
+                       f"{ROWS} x {BLOCK_K} backward tiles", q, k, scale=scale, causal=causal,
+                       tiles=tiles)
   rows = st.rows
   padded_rows = cdiv(rows, ROWS) * ROWS
   row_pad = ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0))
