@@ -107,7 +107,7 @@ def mosaic_ops() -> tri.Float32Ops:
   instruction each (Mosaic's own arithmetic may contract a multiply into an add)."""
   return tri.Float32Ops(
       mul=_ptx_op("mul.rn.f32 $0, $1, $2;"), fma=_ptx_op("fma.rn.f32 $0, $1, $2, $3;"),
-      div=_ptx_op("div.rn.f32 $0, $1, $2;"), exp2=_ptx_op("ex2.approx.ftz.f32 $0, $1;"),
+      rcp=_ptx_op("rcp.rn.f32 $0, $1;"), exp2=_ptx_op("ex2.approx.ftz.f32 $0, $1;"),
       log2=_ptx_op("lg2.approx.ftz.f32 $0, $1;"),
       rows=lambda x, shape: lax.broadcast_in_dim(x, shape, [0]))
 
@@ -156,11 +156,16 @@ def _empty(width: int):
           plgpu.layout_cast(jnp.full((ROWS, width), 0.0, jnp.float32), plgpu.Layout.WGMMA))
 
 
+def _first_row(wg, row_tile):
+  """The first of consumer ``wg``'s 64 rows of the CTA's row tile."""
+  return (row_tile * 2 + wg) * ROWS
+
+
 def _bounds(wg, kv_len, offset, row_tile, st: tri._Static):
   """A consumer's first row, key limit, key blocks and first masked block
   (:func:`~pallas_kernels.attention.tile_key_bounds` of its 64 rows; none for
   rows wholly past the array)."""
-  row_start = (row_tile * 2 + wg) * ROWS
+  row_start = _first_row(wg, row_tile)
   key_limit, bound, clear = tri.tile_key_bounds(row_start, ROWS, kv_len, offset, st)
   bound = jnp.where(row_start < st.rows, bound, 0)
   return row_start, key_limit, (bound + BLOCK_K - 1) // BLOCK_K, clear // BLOCK_K
@@ -277,6 +282,13 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
   queries = _query_rows(st)
   row_tile, b, n = _longest_first(queries), lax.axis_index("batch"), lax.axis_index("head")
   h = lax.div(n, st.group)
+  rows = (b, pl.ds(_first_row(wg, row_tile), ROWS), n)
+  has_rows = _first_row(wg, row_tile) < queries.rows
+
+  @pl.when(jnp.logical_and(wg < 2, has_rows))
+  def _load_queries():  # before the scalars: which rows a consumer owns needs none of them
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], q_loaded.at[wg])
+
   kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b)
   cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, queries)[2],
                            _bounds(1, kv_len, offset, row_tile, queries)[2])
@@ -289,10 +301,6 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
     row_start, key_limit, num_blocks, clear_end = _bounds(wg, kv_len, offset, row_tile, queries)
-    rows = (b, pl.ds(row_start, ROWS), n)
-    has_rows = row_start < queries.rows
-    pl.when(has_rows)(lambda: plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg],
-                                                      q_loaded.at[wg]))
     ones_smem[wg] = plgpu.layout_cast(jnp.full((BLOCK_K, tri.ONES_COLUMNS), 1.0, dtype),
                                       wgmma_layout)
     total_smem[wg] = plgpu.layout_cast(jnp.full((ROWS, width), 0.0, jnp.float32), wgmma_layout)
@@ -374,7 +382,7 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
     def _store():  # TMA writes none of the rows past T
       plgpu.copy_smem_to_gmem(q_smem.at[wg], o_ref.at[rows])
       plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[b, n, pl.ds(row_start, ROWS)])
-      plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   @pl.when(wg == 2)
   def _producer():
@@ -529,7 +537,7 @@ def _dkdv_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dk_ref, dv
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[kv_block])
     plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[kv_block])
-    plgpu.wait_smem_to_gmem(0)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   @pl.when(wg == 2)
   def _producer():
@@ -565,6 +573,16 @@ def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scra
   queries = _query_rows(st)
   row_tile, b, n = _longest_first(queries), lax.axis_index("batch"), lax.axis_index("head")
   h = lax.div(n, st.group)
+  rows = (b, pl.ds(_first_row(wg, row_tile), ROWS), n)
+  has_rows = _first_row(wg, row_tile) < queries.rows
+
+  @pl.when(jnp.logical_and(wg < 2, has_rows))
+  def _load_rows():  # before the scalars: which rows a consumer owns needs none of them
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], rows_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], rows_loaded.at[wg])
+    plgpu.copy_gmem_to_smem(stats_ref.at[b, n, row_tile * 2 + wg], stats_smem.at[wg],
+                            rows_loaded.at[wg])
+
   kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b)
   cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, queries)[2],
                            _bounds(1, kv_len, offset, row_tile, queries)[2])
@@ -573,16 +591,7 @@ def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scra
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
     row_start, key_limit, num_blocks, clear_end = _bounds(wg, kv_len, offset, row_tile, queries)
-    rows = (b, pl.ds(row_start, ROWS), n)
-    has_rows = row_start < queries.rows
-
-    @pl.when(has_rows)
-    def _load():
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], rows_loaded.at[wg])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], rows_loaded.at[wg])
-      plgpu.copy_gmem_to_smem(stats_ref.at[b, n, row_tile * 2 + wg], stats_smem.at[wg],
-                              rows_loaded.at[wg])
-      plgpu.barrier_wait(rows_loaded.at[wg])
+    pl.when(has_rows)(lambda: plgpu.barrier_wait(rows_loaded.at[wg]))
     by_row = plgpu.Layout.WGMMA.reduce(1)
     lse = plgpu.layout_cast(stats_smem[wg, 0], by_row)
     delta = plgpu.layout_cast(stats_smem[wg, 1], by_row)
@@ -633,7 +642,7 @@ def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scra
     @pl.when(has_rows)
     def _store():  # TMA writes none of the rows past T
       plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[rows])
-      plgpu.wait_smem_to_gmem(0)
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   @pl.when(wg == 2)
   def _producer():
