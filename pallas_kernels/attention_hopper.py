@@ -16,7 +16,9 @@ either and decode (Triton) still matches it bit for bit:
   chunks of ``chunk_k`` keys that start from the empty state and merge into the
   total with :func:`~pallas_kernels.attention.merge_states`, which with
   :func:`~pallas_kernels.attention.finalize_state` runs here on
-  :func:`mosaic_ops`: the same PTX instructions as the Triton kernels' ops;
+  :func:`mosaic_ops`: the same PTX instructions as the Triton kernels' ops, but
+  for the reciprocal (``rcp.rn.f32`` here, ``div.rn.f32`` of 1 there: both the
+  IEEE-rounded ``1 / x``, so the same bits);
 * the logits ``mul.rn(q . k, scale * log2(e))``, the row sum of a block from
   ``p @ ones`` on the tensor cores, ``p @ V`` from zero and one ``fma.rn`` into
   the state: the same k16 ``wgmma`` chains as Triton's dots.
