@@ -45,7 +45,7 @@ the row sits in its tile):
     ``mul.rn.f32``, the state updates (``l * alpha + l_block``,
     ``acc * alpha + p @ V`` and the merge's) one ``fma.rn.f32`` each, the
     normalisation ``acc / l`` a product by the row's IEEE reciprocal and an
-    ``fma.rn.f32`` correction (:func:`finalize_state`; ``multiply``,
+    ``fma.rn.f32`` correction (:func:`corrected_quotient`; ``multiply``,
     ``multiply_add``, ``divide``), the exponentials ``ex2.approx.ftz.f32`` (libdevice's ``exp2f``)
     and the log-sum-exp's logarithm ``lg2.approx.ftz.f32`` (:class:`Float32Ops`
     names them per kernel language). Neither LLVM nor ptxas contracts such an
@@ -228,14 +228,16 @@ class Float32Ops:
   """The float32 operations of :func:`merge_states` and :func:`finalize_state`,
   one set per kernel language, each rounding exactly as the numerics contract
   says (module docstring): ``mul`` and ``fma`` rounded once (``mul.rn``,
-  ``fma.rn``), ``rcp`` the IEEE reciprocal ``1 / x``, ``exp2`` and ``log2`` the approximate base-2
-  instructions with subnormals flushed (``ex2.approx.ftz``, ``lg2.approx.ftz``),
-  and ``rows(x, shape)`` a [rows] vector broadcast along the columns of a
-  [rows, W] block. The Mosaic GPU prefill kernel has its own set
+  ``fma.rn``), ``quotient(acc, l)`` a [rows, W] block divided by its [rows]
+  divisors (:func:`corrected_quotient` on the GPU, IEEE division in interpret
+  mode), ``exp2`` and ``log2`` the approximate base-2 instructions with
+  subnormals flushed (``ex2.approx.ftz``, ``lg2.approx.ftz``), and
+  ``rows(x, shape)`` a [rows] vector broadcast along the columns of a [rows, W]
+  block. The Mosaic GPU prefill kernel has its own set
   (:mod:`pallas_kernels.attention_hopper`); both give the same bits."""
   mul: Callable
   fma: Callable
-  rcp: Callable
+  quotient: Callable
   exp2: Callable
   log2: Callable
   rows: Callable
@@ -245,13 +247,34 @@ class Float32Ops:
 def triton_ops(native: bool) -> Float32Ops:
   """The Triton kernels' :class:`Float32Ops` (``native``: on the GPU, else interpret
   mode). ``jnp.exp2`` lowers to libdevice's ``exp2f``, which is ``ex2.approx.ftz``."""
-  return Float32Ops(
-      mul=functools.partial(multiply, native=native),
-      fma=functools.partial(multiply_add, fused=native),
-      rcp=functools.partial(divide, 1.0, native=native),
-      exp2=jnp.exp2,
-      log2=functools.partial(log2_approx, native=native),
-      rows=lambda x, shape: x[:, None])
+  mul = functools.partial(multiply, native=native)
+  fma = functools.partial(multiply_add, fused=native)
+
+  def rows(x, shape):
+    return x[:, None]
+
+  def quotient(acc, l):
+    if native:
+      return corrected_quotient(acc, l, mul=mul, fma=fma, rows=rows,
+                                rcp=functools.partial(divide, 1.0, native=True))
+    return divide(acc, rows(l, acc.shape), native=False)
+
+  return Float32Ops(mul=mul, fma=fma, quotient=quotient, exp2=jnp.exp2,
+                    log2=functools.partial(log2_approx, native=native), rows=rows)
+
+
+def corrected_quotient(acc, l, *, mul, fma, rcp, rows):
+  """``acc / l`` for a [rows, W] block and its [rows] divisors: ``q = acc * r``
+  for the row's IEEE reciprocal ``r = rcp(l)``, corrected once,
+  ``q + (acc - q * l) * r`` with two fused multiply-adds. That is the IEEE
+  quotient wherever it is a normal float32 (Markstein's theorem), in three
+  instructions an element against a division's longer sequence, which made the
+  Mosaic prefill's epilogue about 2 us a tile (twenty-fourth session,
+  benchmarks/results/h100.md). Both GPU kernel languages run it, so their bits
+  agree by construction."""
+  divisor, reciprocal = (rows(x, acc.shape) for x in (l, rcp(l)))
+  estimate = mul(acc, reciprocal)
+  return fma(fma(-estimate, divisor, acc), reciprocal, estimate)
 
 
 def merge_states(total, part, ops: Float32Ops):
@@ -271,20 +294,11 @@ def merge_states(total, part, ops: Float32Ops):
 
 def finalize_state(state, ops: Float32Ops):
   """(m, l, acc) -> (acc / l, base-2 log-sum-exp). A row without a valid key
-  gives zeros and a log-sum-exp of +inf (the backward then recomputes p = 0).
-
-  The quotient is ``q = acc * r`` for the row's reciprocal ``r = 1 / l``
-  (IEEE), corrected once, ``q + (acc - q * l) * r`` with two ``fma``: on the GPU
-  that is the IEEE quotient wherever it is a normal float32 (Markstein's
-  theorem), in three instructions an element against a division's longer
-  sequence, which made the Mosaic prefill's epilogue about 2 us a tile (the
-  twenty-fourth session in benchmarks/results/h100.md)."""
+  gives zeros and a log-sum-exp of +inf (the backward then recomputes p = 0)."""
   m, l, acc = state
   has_keys = l > 0
   l_or_one = jnp.where(has_keys, l, 1.0)
-  divisor, reciprocal = (ops.rows(x, acc.shape) for x in (l_or_one, ops.rcp(l_or_one)))
-  quotient = ops.mul(acc, reciprocal)
-  out = ops.fma(ops.fma(-quotient, divisor, acc), reciprocal, quotient)
+  out = ops.quotient(acc, l_or_one)
   lse = jnp.where(has_keys, ops.log2(l_or_one) + m, jnp.inf)
   return out, lse
 

@@ -107,11 +107,16 @@ def _ptx_op(asm: str):
 def mosaic_ops() -> tri.Float32Ops:
   """:class:`~pallas_kernels.attention.Float32Ops` in Mosaic GPU: one explicit PTX
   instruction each (Mosaic's own arithmetic may contract a multiply into an add)."""
+  mul, fma = _ptx_op("mul.rn.f32 $0, $1, $2;"), _ptx_op("fma.rn.f32 $0, $1, $2, $3;")
+
+  def rows(x, shape):
+    return lax.broadcast_in_dim(x, shape, [0])
+
   return tri.Float32Ops(
-      mul=_ptx_op("mul.rn.f32 $0, $1, $2;"), fma=_ptx_op("fma.rn.f32 $0, $1, $2, $3;"),
-      rcp=_ptx_op("rcp.rn.f32 $0, $1;"), exp2=_ptx_op("ex2.approx.ftz.f32 $0, $1;"),
-      log2=_ptx_op("lg2.approx.ftz.f32 $0, $1;"),
-      rows=lambda x, shape: lax.broadcast_in_dim(x, shape, [0]))
+      mul=mul, fma=fma, exp2=_ptx_op("ex2.approx.ftz.f32 $0, $1;"),
+      quotient=functools.partial(tri.corrected_quotient, mul=mul, fma=fma, rows=rows,
+                                 rcp=_ptx_op("rcp.rn.f32 $0, $1;")),
+      log2=_ptx_op("lg2.approx.ftz.f32 $0, $1;"), rows=rows)
 
 
 @functools.cache

@@ -183,6 +183,29 @@ def test_deterministic(cache, prefill):
   assert_bitwise_equal(attend(q, k, v, lengths, _zeros()), prefill, what="second run")
 
 
+def test_finalize_normalises_within_an_ulp_and_a_half():
+  """Interpret mode's normalisation is within 1.5 float32 ulps of the float64
+  quotient: XLA:CPU divides by a broadcast divisor as a product by its rounded
+  reciprocal (at most 0.5 ulp for the product's rounding and 1 for the
+  reciprocal's). A row without keys gives zeros and a log-sum-exp of +inf. (On
+  the GPU both kernel languages run ``corrected_quotient``, and the GPU tests
+  compare their bits.)"""
+  rng = np.random.default_rng(5)
+  rows, width = 64, 32
+  m = rng.standard_normal(rows).astype(np.float32) * 4
+  l = np.exp2(rng.uniform(0, 20, rows)).astype(np.float32)
+  l[:3] = (0.0, 1.0, 3.0)
+  acc = (rng.standard_normal((rows, width)) * l[:, None]).astype(np.float32)
+  acc[0] = 0.0
+  out, lse = kernels.finalize_state(tuple(map(jnp.asarray, (m, l, acc))),
+                                    kernels.triton_ops(native=False))
+  out, lse = np.asarray(out), np.asarray(lse)
+  exact = acc[1:].astype(np.float64) / l[1:, None]
+  ulps = np.abs(out[1:] - exact) / np.spacing(np.abs(exact).astype(np.float32))
+  assert ulps.max() <= 1.5, ulps.max()
+  assert not np.any(out[0]) and lse[0] == np.inf and np.all(np.isfinite(lse[1:]))
+
+
 def _float64_attention(q, k, v, lengths, offsets, causal, scale):
   q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   b, t, n, h = q.shape
