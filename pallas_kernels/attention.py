@@ -268,10 +268,9 @@ def corrected_quotient(acc, l, *, mul, fma, rcp, rows):
   for the row's IEEE reciprocal ``r = rcp(l)``, corrected once,
   ``q + (acc - q * l) * r`` with two fused multiply-adds. That is the IEEE
   quotient wherever it is a normal float32 (Markstein's theorem), in three
-  instructions an element against a division's longer sequence, which made the
-  Mosaic prefill's epilogue about 2 us a tile (twenty-fourth session,
-  benchmarks/results/h100.md). Both GPU kernel languages run it, so their bits
-  agree by construction."""
+  instructions an element instead of a division's longer sequence (its cost in the
+  Mosaic prefill: benchmarks/results/h100.md). Both GPU kernel languages run it,
+  so their bits agree by construction."""
   divisor, reciprocal = (rows(x, acc.shape) for x in (l, rcp(l)))
   estimate = mul(acc, reciprocal)
   return fma(fma(-estimate, divisor, acc), reciprocal, estimate)

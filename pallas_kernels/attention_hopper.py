@@ -168,6 +168,14 @@ def _first_row(wg, row_tile):
   return (row_tile * 2 + wg) * ROWS
 
 
+def _consumer_rows(wg, row_tile, b, n, queries: tri._Static):
+  """Consumer ``wg``'s 64 queries of (sequence b, query head n) in the [B, T, N, H]
+  layout, and whether any lies inside the array. Neither needs the sequence's
+  scalars, so the row loads start before those are read."""
+  first = _first_row(wg, row_tile)
+  return (b, pl.ds(first, ROWS), n), first < queries.rows
+
+
 def _bounds(wg, kv_len, offset, row_tile, st: tri._Static):
   """A consumer's first row, key limit, key blocks and first masked block
   (:func:`~pallas_kernels.attention.tile_key_bounds` of its 64 rows; none for
@@ -289,11 +297,10 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
   queries = _query_rows(st)
   row_tile, b, n = _longest_first(queries), lax.axis_index("batch"), lax.axis_index("head")
   h = lax.div(n, st.group)
-  rows = (b, pl.ds(_first_row(wg, row_tile), ROWS), n)
-  has_rows = _first_row(wg, row_tile) < queries.rows
+  rows, has_rows = _consumer_rows(wg, row_tile, b, n, queries)
 
   @pl.when(jnp.logical_and(wg < 2, has_rows))
-  def _load_queries():  # before the scalars: which rows a consumer owns needs none of them
+  def _load_queries():
     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], q_loaded.at[wg])
 
   kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b)
@@ -580,11 +587,10 @@ def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scra
   queries = _query_rows(st)
   row_tile, b, n = _longest_first(queries), lax.axis_index("batch"), lax.axis_index("head")
   h = lax.div(n, st.group)
-  rows = (b, pl.ds(_first_row(wg, row_tile), ROWS), n)
-  has_rows = _first_row(wg, row_tile) < queries.rows
+  rows, has_rows = _consumer_rows(wg, row_tile, b, n, queries)
 
   @pl.when(jnp.logical_and(wg < 2, has_rows))
-  def _load_rows():  # before the scalars: which rows a consumer owns needs none of them
+  def _load_rows():
     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], rows_loaded.at[wg])
     plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], rows_loaded.at[wg])
     plgpu.copy_gmem_to_smem(stats_ref.at[b, n, row_tile * 2 + wg], stats_smem.at[wg],
