@@ -19,7 +19,11 @@ their neighbours (whose rows and columns they recompute to the same bits and
 store again), so no tile reads zero-filled rows past an operand: at K = 13824
 those made a 304-row GEMM 45% slower than a 384-row one with the same tiles. A
 partial last contraction step needs no masking: TMA loads outside the operand
-read zeros. Only 16-bit operands (bfloat16, float16).
+read zeros. No operand is padded (but dB's token rows to a multiple of 8): the
+blocks one 128-byte column tile wide (contraction-minor operand blocks, the
+epilogue's tiles) move through an untiled view of their shared memory, which
+takes any 16-byte row pitch (:func:`_block_ring`, :func:`takes`). Only 16-bit
+operands (bfloat16, float16).
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from pallas_kernels._common import cdiv, mosaic_gpu, pad_axis
 from pallas_kernels.matmul import BLOCK_K, Layout, fit_stages
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-EPILOGUE_TILE = 64  # the output leaves in 64 x 64 TMA stores
+EPILOGUE_TILE = 64  # the output leaves in TMA stores of 64 rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +87,10 @@ class HopperTiles:
     return (self.block_m + self.block_cols) * BLOCK_K * jnp.dtype(dtype).itemsize
 
   def reserved_bytes(self, out_dtype) -> int:
-    """The epilogue's double-buffered output tiles, per consumer warpgroup."""
-    return 4 * EPILOGUE_TILE * EPILOGUE_TILE * jnp.dtype(out_dtype).itemsize
+    """The epilogue's output tiles: two per consumer warpgroup, each EPILOGUE_TILE
+    rows of 128 bytes (one swizzled column tile of any ``out_dtype``)."""
+    del out_dtype
+    return 4 * EPILOGUE_TILE * 128
 
 
 # dB's tile, and the forward/dA tile for large results: strips 8 row-tiles
@@ -110,6 +116,35 @@ ROW_TILES: tuple[HopperTiles, ...] = (
 LADDER_ROWS = 128
 
 
+def _block_ring(block, dtype, slots: int, swizzle: int):
+  """Shared memory for ``slots`` [rows, cols] blocks of an operand or the result
+  (``cols`` minor), tiled (8, S) for wgmma, S the swizzle's width: as
+  ``(copies, mma)``. A block of one column tile (cols = S: the contraction-minor
+  operand blocks and the epilogue's tiles) is plain swizzled rows, so TMA moves
+  it through ``copies``, a view of the same bytes with no tiling, which asks
+  nothing of the array in global memory but a 16-byte row pitch. A block of
+  several column tiles is copied through its tiled view (``copies`` is ``mma``),
+  for which Mosaic GPU tiles the whole array: its minor dimension a multiple of
+  S and its major one of 8."""
+  plgpu = mosaic_gpu()
+  rows, cols = block
+  width = swizzle // jnp.dtype(dtype).itemsize
+  swizzled = plgpu.SwizzleTransform(swizzle)
+  tiled = plgpu.SMEM((slots, rows, cols), dtype,
+                     transforms=(plgpu.TilingTransform((8, width)), swizzled))
+  if cols != width:
+    return plgpu.RefUnion(tiled, tiled)
+  return plgpu.RefUnion(plgpu.SMEM((slots, rows, cols), dtype, transforms=(swizzled,)), tiled)
+
+
+def _copy_block(gmem, rows, first_col: int, copies, barrier):
+  """TMA of the [rows, cols] block of ``gmem`` at ``rows`` and columns from
+  ``first_col`` into ``copies`` (a slot of a :func:`_block_ring`'s copy view),
+  arriving on ``barrier``. Columns and rows past the array read zeros."""
+  plgpu = mosaic_gpu()
+  plgpu.copy_gmem_to_smem(gmem.at[rows, pl.ds(first_col, copies.shape[-1])], copies, barrier)
+
+
 def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles, rows: int,
             cols: int, k_steps: int, programs: int):
   """Program ``sm`` of ``programs`` takes tiles sm, sm + programs, ...; its producer
@@ -119,12 +154,9 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
   bm, cta_n = tiles.block_m, tiles.block_cols
   swizzle = plgpu.find_swizzle(BLOCK_K * dtype.itemsize * 8)
-  transforms = (plgpu.TilingTransform((8, swizzle // dtype.itemsize)),
-                plgpu.SwizzleTransform(swizzle))
   epi = EPILOGUE_TILE
   out_swizzle = plgpu.find_swizzle(epi * jnp.dtype(out_dtype).itemsize * 8)
-  out_transforms = (plgpu.TilingTransform((8, out_swizzle // jnp.dtype(out_dtype).itemsize)),
-                    plgpu.SwizzleTransform(out_swizzle))
+  epi_cols = out_swizzle // jnp.dtype(out_dtype).itemsize
   lhs_t, rhs_t = layout is Layout.TN, layout is Layout.NT
   stages = min(tiles.num_stages, k_steps)
   num_m, num_n = cdiv(rows, bm), cdiv(cols, cta_n)
@@ -135,20 +167,21 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   def tile_slices(tile):
     """The tile's rows and columns of the result; edge tiles end at its edge."""
     i, j = plgpu.planar_snake(tile, (num_m, num_n), tiles.strip_dim, tiles.strip_width)
-    return (pl.ds(jnp.minimum(i * bm, rows - bm), bm),
-            pl.ds(jnp.minimum(j * cta_n, cols - cta_n), cta_n))
+    return jnp.minimum(i * bm, rows - bm), jnp.minimum(j * cta_n, cols - cta_n)
 
   lhs_block = (BLOCK_K, bm) if lhs_t else (bm, BLOCK_K)
   rhs_block = (cta_n, BLOCK_K) if rhs_t else (BLOCK_K, cta_n)
-  smem = (plgpu.SMEM((stages, *lhs_block), dtype, transforms=transforms),
-          plgpu.SMEM((stages, *rhs_block), dtype, transforms=transforms),
-          plgpu.SMEM((2, 2, epi, epi), out_dtype, transforms=out_transforms))
+  rings = (_block_ring(lhs_block, dtype, stages, swizzle),
+           _block_ring(rhs_block, dtype, stages, swizzle),
+           _block_ring((epi, epi_cols), out_dtype, 4, out_swizzle))
   # A slot's two copies (lhs and rhs blocks) arrive on its loaded barrier; both
   # consumers release it.
   barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
               plgpu.Barrier(num_arrivals=2, num_barriers=stages))
 
   def body(lhs_smem, rhs_smem, out_smem, loaded, consumed):
+    (lhs_copies, lhs_mma), (rhs_copies, rhs_mma), (out_copies, out_stage) = (
+        lhs_smem, rhs_smem, out_smem)
     wg = lax.axis_index("wg")
 
     @pl.when(wg < 2)
@@ -161,7 +194,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
 
       def consume(j, steps_done):
         tile = program + j * programs
-        m_slice, n_slice = tile_slices(tile)
+        first_row, first_col = tile_slices(tile)
 
         @pl.when(tile < num_tiles)
         def _tile():
@@ -169,10 +202,10 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
             def step(_, c):
               slot = lax.rem(c, stages)
               plgpu.barrier_wait(loaded.at[slot])
-              lhs = (lhs_smem.at[slot, :, wg_rows].transpose((1, 0)) if lhs_t
-                     else lhs_smem.at[slot, wg_rows, :])
-              rhs = (rhs_smem.at[slot, wg_cols, :].transpose((1, 0)) if rhs_t
-                     else rhs_smem.at[slot, :, wg_cols])
+              lhs = (lhs_mma.at[slot, :, wg_rows].transpose((1, 0)) if lhs_t
+                     else lhs_mma.at[slot, wg_rows, :])
+              rhs = (rhs_mma.at[slot, wg_cols, :].transpose((1, 0)) if rhs_t
+                     else rhs_mma.at[slot, :, wg_cols])
               plgpu.wgmma(acc_ref, lhs, rhs)
               plgpu.wgmma_wait(0)
               plgpu.barrier_arrive(consumed.at[slot])
@@ -184,14 +217,17 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
                                     plgpu.Layout.WGMMA)
           out = pl.run_state(mainloop)(plgpu.ACC.init(zeros)).astype(out_dtype)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          out_tile = out_gmem.at[m_slice, n_slice].at[wg_rows, wg_cols]
-          for e in range((acc_m // epi) * (acc_n // epi)):
-            mi, ni = divmod(e, acc_n // epi)
-            part = (slice(mi * epi, (mi + 1) * epi), slice(ni * epi, (ni + 1) * epi))
+          wg_row0, wg_col0 = ((wg * acc_m, 0) if tiles.split_rows else (0, wg * acc_n))
+          for e in range((acc_m // epi) * (acc_n // epi_cols)):
+            mi, ni = divmod(e, acc_n // epi_cols)
+            buffer = 2 * wg + e % 2
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            out_smem[wg, e % 2] = out[part]
+            out_stage[buffer] = out[mi * epi:(mi + 1) * epi, ni * epi_cols:(ni + 1) * epi_cols]
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(out_smem.at[wg, e % 2], out_tile.at[part])
+            plgpu.copy_smem_to_gmem(
+                out_copies.at[buffer],
+                out_gmem.at[pl.ds(first_row + wg_row0 + mi * epi, epi),
+                            pl.ds(first_col + wg_col0 + ni * epi_cols, epi_cols)])
 
         return steps_done + jnp.where(tile < num_tiles, k_steps, 0)
 
@@ -204,29 +240,47 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
 
       def produce(j, steps_done):
         tile = program + j * programs
-        m_slice, n_slice = tile_slices(tile)
+        first_row, first_col = tile_slices(tile)
+        m_slice, n_slice = pl.ds(first_row, bm), pl.ds(first_col, cta_n)
 
         def step(k, c):
           slot = lax.rem(c, stages)
           pl.when(c >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
-          ks = pl.ds(k * BLOCK_K, BLOCK_K)
-          plgpu.copy_gmem_to_smem(lhs_gmem.at[ks, m_slice] if lhs_t else lhs_gmem.at[m_slice, ks],
-                                  lhs_smem.at[slot], loaded.at[slot])
-          plgpu.copy_gmem_to_smem(rhs_gmem.at[n_slice, ks] if rhs_t else rhs_gmem.at[ks, n_slice],
-                                  rhs_smem.at[slot], loaded.at[slot])
+          ks, k0 = pl.ds(k * BLOCK_K, BLOCK_K), k * BLOCK_K
+          if lhs_t:
+            _copy_block(lhs_gmem, ks, first_row, lhs_copies.at[slot], loaded.at[slot])
+          else:
+            _copy_block(lhs_gmem, m_slice, k0, lhs_copies.at[slot], loaded.at[slot])
+          if rhs_t:
+            _copy_block(rhs_gmem, n_slice, k0, rhs_copies.at[slot], loaded.at[slot])
+          else:
+            _copy_block(rhs_gmem, ks, first_col, rhs_copies.at[slot], loaded.at[slot])
           return c + 1
 
         return lax.fori_loop(0, jnp.where(tile < num_tiles, k_steps, 0), step, steps_done)
 
       lax.fori_loop(0, cdiv(num_tiles, programs), produce, jnp.int32(0))
 
-  pl.run_scoped(lambda *refs: body(*refs[:3], *refs[3]), *smem, barriers,
+  pl.run_scoped(lambda *refs: body(*refs[:3], *refs[3]), *rings, barriers,
                 collective_axes="wg")
 
 
-# TMA copies tiles of 8 rows x 64 columns (16-bit, 128-byte swizzle): an
-# operand's minor dimension must be a multiple of 64 and its major one of 8.
-TMA_MINOR, TMA_MAJOR = 64, 8
+# TMA moves rows whose pitch is a multiple of 16 bytes: 8 elements of a 16-bit
+# operand. A block of several column tiles (the NN rhs, both TN operands) needs
+# its array tiled: the minor dimension a multiple of TMA_TILE_COLS and the major
+# one of TMA_PITCH.
+TMA_PITCH, TMA_TILE_COLS = 8, 64
+
+
+def takes(layout: Layout, rows: int, cols: int, contraction: int) -> bool:
+  """Whether :func:`matmul` takes a rows x cols result over ``contraction`` in
+  ``layout`` without copying an operand, but for TN's token rows, padded to a
+  multiple of 8 where they are not (dB over a token count)."""
+  if layout is Layout.TN:
+    return rows % TMA_TILE_COLS == 0 and cols % TMA_TILE_COLS == 0
+  if layout is Layout.NN:
+    return contraction % TMA_PITCH == 0 and cols % TMA_TILE_COLS == 0
+  return contraction % TMA_PITCH == 0 and cols % TMA_PITCH == 0
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "out_dtype", "tiles"))
@@ -234,13 +288,11 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
   """One GEMM in ``layout`` on an sm_90 GPU; returns [rows, cols] in ``out_dtype``.
 
   lhs: [rows, K] (NN, NT) or [K, rows] (TN); rhs: [K, cols] (NN, TN) or
-  [cols, K] (NT). Both share a 16-bit dtype; ``tiles``' stages must fit shared
-  memory (``pallas_kernels.matmul.fit_stages``). Sizes TMA cannot take are
-  zero-padded here (a copy): the contraction to 64 where it is an operand's
-  minor dimension and to 8 where it is the major one, rows to 8; ``cols`` must
-  be a multiple of 64, and ``tiles`` must fit the result (``HopperTiles.fits``).
-  ``matmul_plan.plan`` sends this kernel only shapes that copy at most the token
-  rows.
+  [cols, K] (NT). Both share a 16-bit dtype; the sizes must be ones the kernel
+  :func:`takes`; ``tiles``' stages must fit shared memory
+  (``pallas_kernels.matmul.fit_stages``) and its program tile the result
+  (``HopperTiles.fits``). TN's token rows are zero-padded to a multiple of 8 (a
+  copy) where they are not one; nothing else is copied.
   """
   if lhs.dtype not in DTYPES or rhs.dtype != lhs.dtype:
     raise TypeError(f"operands must share a 16-bit dtype, got {lhs.dtype} and {rhs.dtype}")
@@ -248,23 +300,17 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
     raise ValueError(f"{tiles} does not fit shared memory for {lhs.dtype} operands and a "
                      f"{jnp.dtype(out_dtype)} result: use fit_stages")
   if layout is Layout.TN:
-    rows = lhs.shape[1]
-    lhs, rhs = pad_axis(lhs, 0, TMA_MAJOR), pad_axis(rhs, 0, TMA_MAJOR)
-    k_steps = cdiv(lhs.shape[0], BLOCK_K)
+    (contraction, rows), cols = lhs.shape, rhs.shape[1]
+    lhs, rhs = pad_axis(lhs, 0, TMA_PITCH), pad_axis(rhs, 0, TMA_PITCH)
   else:
-    rows = lhs.shape[0]
-    lhs = pad_axis(pad_axis(lhs, 1, TMA_MINOR), 0, TMA_MAJOR)
-    rhs = pad_axis(rhs, 1 if layout is Layout.NT else 0, TMA_MINOR)
-    k_steps = lhs.shape[1] // BLOCK_K
-  padded_rows = lhs.shape[1] if layout is Layout.TN else lhs.shape[0]
-  cols = rhs.shape[0] if layout is Layout.NT else rhs.shape[1]
-  if cols % TMA_MINOR:
-    raise ValueError(f"the result's columns must be a multiple of {TMA_MINOR}, got {cols}")
-  if not tiles.fits(padded_rows, cols):
-    raise ValueError(f"{tiles} does not fit a {padded_rows} x {cols} result "
-                     f"(HopperTiles.fits)")
-  return _launch(lhs, rhs, layout=layout, out_dtype=out_dtype, tiles=tiles,
-                 rows=padded_rows, cols=cols, k_steps=k_steps)[:rows]
+    (rows, contraction), cols = lhs.shape, rhs.shape[0 if layout is Layout.NT else 1]
+  if not takes(layout, rows, cols, contraction):
+    raise ValueError(f"the {layout.name} kernel does not take lhs {lhs.shape} and rhs "
+                     f"{rhs.shape}: see hopper_matmul.takes")
+  if not tiles.fits(rows, cols):
+    raise ValueError(f"{tiles} does not fit a {rows} x {cols} result (HopperTiles.fits)")
+  return _launch(lhs, rhs, layout=layout, out_dtype=out_dtype, tiles=tiles, rows=rows,
+                 cols=cols, k_steps=cdiv(contraction, BLOCK_K))
 
 
 def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles, rows: int, cols: int,
@@ -280,6 +326,4 @@ def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles, rows: in
       grid_names=("sm",),
       num_threads=3,
       thread_name="wg",
-      compiler_params=plgpu.CompilerParams(
-          lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
   )(lhs, rhs)

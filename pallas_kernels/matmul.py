@@ -121,8 +121,7 @@ def fit_stages(tiles, dtype, out_dtype):
   fit in shared memory beside the kernel's ``out_dtype`` buffers.
 
   The bf16 Triton tiles fit as they are, float32 needs fewer stages for
-  128 x 256; the Mosaic GPU kernel fits 4 stages with a bf16 result, 3 with
-  float32.
+  128 x 256; the Mosaic GPU kernel fits 4 stages of its largest tile.
   """
   return dataclasses.replace(tiles, num_stages=stages_that_fit(
       tiles.num_stages, tiles.stage_bytes(dtype), tiles.reserved_bytes(out_dtype)))

@@ -9,11 +9,11 @@ may choose by any size, the token count included. It chooses speed, never bits:
 * ``Kernel.MOSAIC_GPU`` (:mod:`pallas_kernels.hopper_matmul`): TMA + wgmma on a
   persistent grid. An H100, 16-bit operands, one problem (no groups), more than
   ``hopper_matmul.LADDER_ROWS`` rows for the forward and dA, a result no
-  smaller than a program tile, and sizes that TMA's tiled copies take without a
-  padded copy of the weight: every minor dimension a multiple of 64, so the
-  contraction too where it is minor (the forward's and dA's K). Where the token
-  count is not a multiple of 8 (TMA's row tile) the launcher copies the
-  token-sized operands padded to 8 rows.
+  smaller than a program tile, and sizes that the kernel takes without copying
+  an operand (``hopper_matmul.takes``: 16-byte row pitches, and the weight's
+  columns a multiple of 64 in the forward and both weight sizes in dB). Where
+  dB's token count is not a multiple of 8 the launcher copies its two operands
+  padded to 8 rows.
 * ``Kernel.PALLAS_TRITON`` (:mod:`pallas_kernels.matmul`): the Pallas Triton
   lowering, masked edges, no copies; every other GEMM, every chunked
   contraction (``plan``'s ``contraction_chunk``), and every GEMM in interpret
@@ -155,14 +155,14 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype) -> Matm
 def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype, out_dtype,
                   groups: int, device: Device) -> mosaic.HopperTiles | None:
   """The Mosaic GPU kernel's tiles, or None where it does not run (see the module
-  docstring): TMA tiles every operand's minor dimension by 64 and its major one
-  by 8, so those sizes must divide, except the token count, which the launcher
-  pads to 8; and a program tile must fit the result (``HopperTiles.fits``)."""
-  if not device.is_hopper or dtype not in mosaic.DTYPES or groups != 1 or cols % 64:
+  docstring): sizes it takes (``hopper_matmul.takes``) and a program tile that
+  fits the result (``HopperTiles.fits``)."""
+  if (not device.is_hopper or dtype not in mosaic.DTYPES or groups != 1
+      or not mosaic.takes(layout, rows, cols, contraction)):
     return None
   if layout is Layout.TN:
-    tiles = mosaic.TILES if rows % 64 == 0 and mosaic.TILES.fits(rows, cols) else None
-  elif rows > mosaic.LADDER_ROWS and contraction % 64 == 0:
+    tiles = mosaic.TILES if mosaic.TILES.fits(rows, cols) else None
+  elif rows > mosaic.LADDER_ROWS:
     tiles = mosaic_row_tiles(rows, cols, device.sm_count)
   else:
     tiles = None

@@ -319,11 +319,12 @@ def test_chunked_contraction_equals_a_loop_of_gemms(where):
       _chunked_equals_loop_of_gemms(rows, 1024, 2 * 8192 + 1000, 8192, interpret=False)
 
 
-def test_plan_sends_mosaic_only_what_tma_takes_without_copying_the_weight():
-  """The Mosaic GPU kernel runs 16-bit GEMMs of one problem with 64-aligned
-  result columns and a result no smaller than one of its tiles: the forward and
-  dA above LADDER_ROWS rows with a 64-aligned K, dB with 64-aligned K of the
-  weight whatever the token count."""
+def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
+  """The Mosaic GPU kernel runs 16-bit GEMMs of one problem with a result no
+  smaller than one of its tiles and 16-byte row pitches: the forward above
+  LADDER_ROWS rows with K a multiple of 8 and 64-aligned result columns (the
+  weight's rows are tiled), dA above LADDER_ROWS rows with K and the columns
+  multiples of 8, dB with both weight sizes 64-aligned whatever the token count."""
   for layout in Layout:
     for rows in (1, 64, 128, 129, 192, 300, 777, 4096):
       for cols in (64, 128, 192, 320, 1000, 1024, 4096, 13824):
@@ -333,8 +334,9 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_the_weight():
             mosaic_fits = rows % 64 == 0 and cols % 64 == 0 and hopper.TILES.fits(rows, cols)
             assert chosen == _plan(layout, rows, cols, 1), "dB's plan sees the token count"
           else:
-            mosaic_fits = (rows > hopper.LADDER_ROWS and cols % 64 == 0
-                           and contraction % 64 == 0
+            col_multiple = 64 if layout is Layout.NN else 8
+            mosaic_fits = (rows > hopper.LADDER_ROWS and cols % col_multiple == 0
+                           and contraction % 8 == 0
                            and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
           assert (chosen.kernel is Kernel.MOSAIC_GPU) == mosaic_fits, (layout, rows, cols,
                                                                         contraction, chosen)
@@ -378,17 +380,32 @@ def test_plan_mosaic_row_tile_rule():
     hopper.HopperTiles(64, 128, split_rows=True)
 
 
+def test_mosaic_kernel_rejects_sizes_it_does_not_take():
+  """Sizes that would need a padded copy are a ValueError at trace time, before
+  any kernel: the forward's weight columns (tiled) must be 64-aligned, every row
+  pitch 16 bytes."""
+  sd = jax.ShapeDtypeStruct
+  tiles = kernels.fit_stages(hopper.ROW_TILES[2], bf16, bf16)
+  for layout, lhs, rhs in ((Layout.NN, (300, 1024), (1024, 1000)),
+                           (Layout.NN, (300, 1001), (1001, 1024)),
+                           (Layout.NT, (300, 1004), (1024, 1004))):
+    gemm = functools.partial(hopper.matmul, layout=layout, out_dtype=bf16, tiles=tiles)
+    with pytest.raises(ValueError, match=f"the {layout.name} kernel does not take"):
+      jax.jit(gemm).trace(sd(lhs, bf16), sd(rhs, bf16))
+
+
 @pytest.mark.skipif(on_gpu(), reason="the GPU tests compile the kernel for real")
 def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
-  """Each Mosaic GPU tile lowers for an H100 (132 SMs) in each layout, the forward
-  with a token count that TMA's 8-row tiles do not divide."""
+  """Each Mosaic GPU tile lowers for an H100 (132 SMs) in each layout, with sizes
+  that only its untiled copies take: a token count that 8 does not divide, a
+  contraction and (dA) result columns that 64 does not divide."""
   if not cuda_lowering_available():
     pytest.skip("jax's CUDA lowering is not installed")
   h100 = type("H100", (), {"core_count": 132})()
   monkeypatch.setattr(jax, "devices", lambda *_: [h100])
   sd = jax.ShapeDtypeStruct
-  operands = {Layout.NN: ((1001, 128), (128, 1024)), Layout.NT: ((1000, 128), (1024, 128)),
-              Layout.TN: ((300, 1024), (300, 1024))}
+  operands = {Layout.NN: ((1001, 3000), (3000, 1024)), Layout.NT: ((999, 1000), (3000, 1000)),
+              Layout.TN: ((301, 1024), (301, 1024))}
   for layout, (lhs, rhs) in operands.items():
     for tiles in [hopper.TILES] if layout is Layout.TN else hopper.ROW_TILES:
       tiles = kernels.fit_stages(tiles, bf16, bf16)
