@@ -23,6 +23,7 @@ class _AttentionConfig:
   causal: bool
   tiles: kernels.AttentionTiles
   interpret: bool
+  dense: bool  # neither lengths nor offsets given: every key valid, no offsets
 
 
 def dot_product_attention(query, key, value, *, scale=None, is_causal=False,
@@ -105,7 +106,8 @@ def dot_product_attention(query, key, value, *, scale=None, is_causal=False,
   if query.size == 0 or key.shape[1] == 0:
     return jnp.zeros(query.shape, dtype)
   config = _AttentionConfig(scale, bool(is_causal),
-                            kernels.attention_tiles(h, dtype, interpret=interpret), interpret)
+                            kernels.attention_tiles(h, dtype, interpret=interpret), interpret,
+                            key_value_seq_lengths is None and query_offsets is None)
   return _attention(query, key, value, lengths, offsets, config)
 
 
@@ -136,8 +138,10 @@ def _attention(query, key, value, lengths, offsets, config: _AttentionConfig):
 
 
 def _kernel_args(config):
+  # Only the GPU's Mosaic kernels use ``dense``: interpret mode keeps one
+  # compiled launcher for both.
   return dict(scale=config.scale, causal=config.causal, tiles=config.tiles,
-              interpret=config.interpret)
+              interpret=config.interpret, dense=config.dense and not config.interpret)
 
 
 def _attention_forward(query, key, value, lengths, offsets, config):

@@ -764,15 +764,17 @@ def use_mosaic_backward(q_shape, kv_shape, dtype, tiles: AttentionTiles, *, inte
 @launcher
 def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: bool,
                       tiles: AttentionTiles, interpret: bool, split: bool | None = None,
-                      mosaic: bool | None = None):
+                      mosaic: bool | None = None, dense: bool = False):
   """Forward attention.
 
   q: [B, T, N, H]; k, v: [B, S, K, H] (N a multiple of K); kv_lengths,
   q_offsets: [B] int32. ``split=None`` picks the prefill or the split-KV path
   by :func:`use_split`, and ``mosaic=None`` the prefill's kernel by
-  :func:`use_mosaic_prefill` (same bits every way). Returns (out [B, T, N, H]
-  in q's dtype, base-2 log-sum-exp [B, K, T * N // K] float32, +inf for a row
-  without a valid key).
+  :func:`use_mosaic_prefill` (same bits every way). ``dense`` promises that
+  kv_lengths are all S and q_offsets all 0 (the caller gave neither): the Mosaic
+  GPU kernels then know them when built and read neither. Returns (out
+  [B, T, N, H] in q's dtype, base-2 log-sum-exp [B, K, T * N // K] float32, +inf
+  for a row without a valid key).
   """
   b, t, n, h = q.shape
   s, kv_heads = k.shape[1], k.shape[2]
@@ -788,7 +790,7 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
   if mosaic:
     from pallas_kernels import attention_hopper
     return attention_hopper.attention_forward(q, k, v, kv_lengths, q_offsets, scale=scale,
-                                              causal=causal, tiles=tiles)
+                                              causal=causal, tiles=tiles, dense=dense)
   tiles = tiles.for_rows(rows)
   st = _static(q, k, scale=scale, causal=causal, tiles=tiles, interpret=interpret)
   qp = pack_rows(q, kv_heads)
@@ -858,13 +860,14 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
 @launcher
 def attention_backward(q, k, v, out, lse, dout, kv_lengths, q_offsets, *, scale: float,
                        causal: bool, tiles: AttentionTiles, interpret: bool,
-                       mosaic: bool | None = None):
+                       mosaic: bool | None = None, dense: bool = False):
   """Gradients of :func:`attention_forward` from its output and log-sum-exp.
 
   q, out, dout: [B, T, N, H]; k, v: [B, S, K, H]; lse: [B, K, T * N // K].
   ``mosaic=None`` picks the dK/dV and dQ kernels (Triton or, on an H100, Mosaic
-  GPU: the same bits) by :func:`use_mosaic_backward`. Returns (dq [B, T, N, H],
-  dk, dv [B, S, K, H]) in the inputs' dtypes.
+  GPU: the same bits) by :func:`use_mosaic_backward`; ``dense`` as in
+  :func:`attention_forward`. Returns (dq [B, T, N, H], dk, dv [B, S, K, H]) in
+  the inputs' dtypes.
   """
   if mosaic is None:
     mosaic = use_mosaic_backward(q.shape, k.shape, q.dtype, tiles, interpret=interpret)
@@ -888,7 +891,8 @@ def attention_backward(q, k, v, out, lse, dout, kv_lengths, q_offsets, *, scale:
   if mosaic:
     from pallas_kernels import attention_hopper
     return attention_hopper.attention_backward(q, k, v, dout, lse, delta, kv_lengths, q_offsets,
-                                               scale=scale, causal=causal, tiles=tiles)
+                                               scale=scale, causal=causal, tiles=tiles,
+                                               dense=dense)
   all_rows = row_blocks * bq
   whole_rows = (pl.BlockSpec((None, None, all_rows, width), lambda j, bi, hi: (bi, hi, 0, 0)),
                 pl.BlockSpec((None, None, all_rows), lambda j, bi, hi: (bi, hi, 0)))

@@ -236,7 +236,10 @@ def _tma_padded(x):
 
 def _zeroed_past_lengths(x, kv_lengths):
   """:func:`_tma_padded` with zeros past each sequence's valid length too: what
-  the Triton kernels' masked loads read there (garbage may be NaN)."""
+  the Triton kernels' masked loads read there (garbage may be NaN). ``kv_lengths``
+  None: every key is valid, nothing to zero."""
+  if kv_lengths is None:
+    return _tma_padded(x)
   positions = jnp.arange(x.shape[1])[None, :, None, None]
   return _tma_padded(jnp.where(positions < kv_lengths[:, None, None, None], x,
                                 jnp.zeros((), x.dtype)))
@@ -250,8 +253,12 @@ def _scalars(kv_lengths, q_offsets):
       (kv_lengths.shape[0], 2, 32))
 
 
-def _read_scalars(scalars_ref, scalar_smem, loaded, b):
-  """This sequence's (valid keys, first query's position), read by every warpgroup."""
+def _read_scalars(scalars_ref, scalar_smem, loaded, b, st: tri._Static, dense: bool):
+  """This sequence's (valid keys, first query's position), read by every
+  warpgroup; for a ``dense`` call (every key valid, no offsets) (S, 0), known
+  when the kernel is built, so no CTA waits for a read before its key loads."""
+  if dense:
+    return st.seq, 0
   plgpu = mosaic_gpu()
 
   @pl.when(lax.axis_index("wg") == 0)
@@ -285,7 +292,8 @@ def _stream_key_blocks(k_ref, v_ref, k_smem, v_smem, loaded, used, b, h, num_blo
     load(kb, slot)
 
 
-def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tri._Static):
+def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tri._Static,
+            dense: bool):
   plgpu = mosaic_gpu()
   ops = mosaic_ops()
   wgmma_layout = plgpu.Layout.WGMMA
@@ -303,7 +311,7 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
   def _load_queries():
     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], q_loaded.at[wg])
 
-  kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b)
+  kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b, st, dense)
   cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, queries)[2],
                            _bounds(1, kv_len, offset, row_tile, queries)[2])
 
@@ -422,17 +430,20 @@ def _checked_static(kernel: str, takes: bool, tile_terms: str, q, k, *, scale: f
 
 
 def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: bool,
-                      tiles: tri.AttentionTiles):
+                      tiles: tri.AttentionTiles, dense: bool = False):
   """The prefill forward of :func:`pallas_kernels.attention.attention_forward`
   (same arguments and results, the same bits) on an sm_90 GPU; see
-  :func:`supported` for the inputs and tiles it takes."""
+  :func:`supported` for the inputs and tiles it takes. ``dense``: the caller
+  promises kv_lengths = S and q_offsets = 0 everywhere; the kernel then reads
+  neither and copies no values to zero them past the lengths."""
   plgpu = mosaic_gpu()
   b, t, n, head_dim = q.shape
   kv_heads = k.shape[2]
   st = _checked_static("prefill", supported(q.dtype, head_dim, tiles), f"{BLOCK_K}-key blocks",
                        q, k, scale=scale, causal=causal, tiles=tiles)
   row_tiles = cdiv(t, CTA_ROWS)
-  q, k, v = _tma_padded(q), _tma_padded(k), _zeroed_past_lengths(v, kv_lengths)
+  q, k = _tma_padded(q), _tma_padded(k)
+  v = _zeroed_past_lengths(v, None if dense else kv_lengths)
   scalars = _scalars(kv_lengths, q_offsets)
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   ones_tiled = (plgpu.TilingTransform((8, tri.ONES_COLUMNS)), plgpu.SwizzleTransform(32))
@@ -453,7 +464,7 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
               plgpu.Barrier(num_arrivals=2))
     pl.run_scoped(
         lambda *scratch: _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch,
-                                 st=st),
+                                 st=st, dense=dense),
         smem, loaded, shared, collective_axes="wg")
 
   out, lse = plgpu.kernel(
@@ -471,7 +482,7 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
 
 
 def _dkdv_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dk_ref, dv_ref, scratch,
-                 *, st: tri._Static):
+                 *, st: tri._Static, dense: bool):
   """dK, dV of 64 keys per consumer warpgroup (two per CTA, adjacent), summed over
   the sequence's 64-row blocks in increasing order, which the producer streams
   (q, dout, and the rows' log-sum-exp and delta) to both."""
@@ -483,7 +494,7 @@ def _dkdv_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dk_ref, dv
   dtype = q_smem.dtype
   wg = lax.axis_index("wg")
   key_tile, b, h = lax.axis_index("keys"), lax.axis_index("batch"), lax.axis_index("kv_head")
-  kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b)
+  kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b, st, dense)
   key_limit = tri._key_limit(kv_len, st.seq)
 
   def bounds(consumer):
@@ -574,7 +585,7 @@ def _dkdv_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dk_ref, dv
 
 
 def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scratch, *,
-               st: tri._Static):
+               st: tri._Static, dense: bool):
   """dQ of 64 packed rows per consumer warpgroup (two per CTA) over the key
   blocks they see in increasing order, which the producer streams."""
   plgpu = mosaic_gpu()
@@ -596,7 +607,7 @@ def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scra
     plgpu.copy_gmem_to_smem(stats_ref.at[b, n, row_tile * 2 + wg], stats_smem.at[wg],
                             rows_loaded.at[wg])
 
-  kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b)
+  kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b, st, dense)
   cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, queries)[2],
                            _bounds(1, kv_len, offset, row_tile, queries)[2])
 
@@ -665,13 +676,14 @@ def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scra
 
 
 def attention_backward(q, k, v, dout, lse, delta, kv_lengths, q_offsets, *, scale: float,
-                       causal: bool, tiles: tri.AttentionTiles):
+                       causal: bool, tiles: tri.AttentionTiles, dense: bool = False):
   """dQ, dK and dV of :func:`pallas_kernels.attention.attention_backward` (the same
   bits as its Triton kernels at 64 x 64 backward tiles) on an sm_90 GPU.
 
   q, dout: [B, T, N, H]; k, v: [B, S, K, H]; lse, delta: [B, K, T * N // K]
-  float32 (the forward's base-2 log-sum-exp, rowsum(out * dout)). Returns (dq
-  [B, T, N, H], dk, dv [B, S, K, H]) in the inputs' dtypes.
+  float32 (the forward's base-2 log-sum-exp, rowsum(out * dout)). ``dense``: as
+  :func:`attention_forward`'s. Returns (dq [B, T, N, H], dk, dv [B, S, K, H]) in
+  the inputs' dtypes.
   """
   plgpu = mosaic_gpu()
   b, t, n, head_dim = q.shape
@@ -686,7 +698,7 @@ def attention_backward(q, k, v, dout, lse, delta, kv_lengths, q_offsets, *, scal
   stats = _row_stats(lse, delta, padded_rows)
   row_tiles = cdiv(t, CTA_ROWS)
   head_stats = _row_stats(_per_head(lse, t), _per_head(delta, t), row_tiles * CTA_ROWS)
-  k, v = (_zeroed_past_lengths(x, kv_lengths) for x in (k, v))
+  k, v = (_zeroed_past_lengths(x, None if dense else kv_lengths) for x in (k, v))
   scalars = _scalars(kv_lengths, q_offsets)
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   blocks = plgpu.SMEM((2, ROWS, head_dim), q.dtype, transforms=tiled)
@@ -700,7 +712,7 @@ def attention_backward(q, k, v, dout, lse, delta, kv_lengths, q_offsets, *, scal
     used = (plgpu.Barrier(num_arrivals=2, num_barriers=STAGES),)
     pl.run_scoped(
         lambda *scratch: _dkdv_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref,
-                                      dk_ref, dv_ref, scratch, st=st),
+                                      dk_ref, dv_ref, scratch, st=st, dense=dense),
         smem, loaded, used, collective_axes="wg")
 
   padded_seq = cdiv(seq, 2 * BLOCK_K) * 2 * BLOCK_K
@@ -720,7 +732,7 @@ def attention_backward(q, k, v, dout, lse, delta, kv_lengths, q_offsets, *, scal
             plgpu.Barrier(num_arrivals=2, num_barriers=STAGES))
     pl.run_scoped(
         lambda *scratch: _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref,
-                                    scratch, st=st),
+                                    scratch, st=st, dense=dense),
         smem, loaded, used, collective_axes="wg")
 
   q, dout = _tma_padded(q), _tma_padded(dout)

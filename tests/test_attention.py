@@ -376,8 +376,8 @@ def test_mosaic_prefill_rule():
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_kernels_lower_for_cuda(dtype, head_dim):
   """Every kernel lowers for the GPU, the H100 prefill and backward (Mosaic GPU)
-  too where they take the inputs, with a sequence length that TMA's 8-key tiles
-  do not divide."""
+  too where they take the inputs (with and without lengths and offsets: dense),
+  with a sequence length that TMA's 8-key tiles do not divide."""
   if not cuda_lowering_available():
     pytest.skip("jax's CUDA plugin is not installed")
   sd = jax.ShapeDtypeStruct
@@ -387,13 +387,14 @@ def test_kernels_lower_for_cuda(dtype, head_dim):
   static = dict(scale=0.1, causal=True, tiles=tiles, interpret=False)
   paths = [dict(split=False, mosaic=False), dict(split=True)]
   if attention_hopper.supported(dtype, head_dim, tiles):
-    paths.append(dict(split=False, mosaic=True))
+    paths += [dict(split=False, mosaic=True), dict(split=False, mosaic=True, dense=True)]
   for path in paths:
     fwd = functools.partial(kernels.attention_forward, **path, **static)
     jax.jit(fwd).trace(q, kv, kv, ints, ints).lower(lowering_platforms=("cuda",))
   lse = sd((2, 2, 1200), jnp.float32)
-  for mosaic in [False] + [True] * attention_hopper.supported_backward(dtype, head_dim, tiles):
-    bwd = functools.partial(kernels.attention_backward, mosaic=mosaic, **static)
+  mosaic = attention_hopper.supported_backward(dtype, head_dim, tiles)
+  for path in [dict(mosaic=False)] + mosaic * [dict(mosaic=True), dict(mosaic=True, dense=True)]:
+    bwd = functools.partial(kernels.attention_backward, **path, **static)
     jax.jit(bwd).trace(q, kv, kv, q, lse, q, ints, ints).lower(lowering_platforms=("cuda",))
 
 
