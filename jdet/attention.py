@@ -49,6 +49,8 @@ def dot_product_attention(query, key, value, *, scale=None, is_causal=False,
       position t, like :func:`jax.nn.dot_product_attention`'s causal mask
       (top-left aligned) when T < S. For decode against a cache holding L
       tokens, pass ``key_value_seq_lengths = L + T`` and ``query_offsets = L``.
+      Passing neither (rather than S and 0) gives the same bits and lets the H100
+      kernels skip reading them (about 2-7% faster there).
     interpret: ``None`` picks by platform (the GPU kernels on a GPU: Triton, and
       Mosaic GPU for large prefills and their backward on an H100, with the
       same bits; interpret mode on CPU).
