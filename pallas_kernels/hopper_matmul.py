@@ -301,7 +301,6 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
                      f"{jnp.dtype(out_dtype)} result: use fit_stages")
   if layout is Layout.TN:
     (contraction, rows), cols = lhs.shape, rhs.shape[1]
-    lhs, rhs = pad_axis(lhs, 0, TMA_PITCH), pad_axis(rhs, 0, TMA_PITCH)
   else:
     (rows, contraction), cols = lhs.shape, rhs.shape[0 if layout is Layout.NT else 1]
   if not takes(layout, rows, cols, contraction):
@@ -309,6 +308,8 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
                      f"{rhs.shape}: see hopper_matmul.takes")
   if not tiles.fits(rows, cols):
     raise ValueError(f"{tiles} does not fit a {rows} x {cols} result (HopperTiles.fits)")
+  if layout is Layout.TN:
+    lhs, rhs = pad_axis(lhs, 0, TMA_PITCH), pad_axis(rhs, 0, TMA_PITCH)
   return _launch(lhs, rhs, layout=layout, out_dtype=out_dtype, tiles=tiles, rows=rows,
                  cols=cols, k_steps=cdiv(contraction, BLOCK_K))
 

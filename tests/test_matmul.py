@@ -381,14 +381,16 @@ def test_plan_mosaic_row_tile_rule():
 
 
 def test_mosaic_kernel_rejects_sizes_it_does_not_take():
-  """Sizes that would need a padded copy are a ValueError at trace time, before
-  any kernel: the forward's weight columns (tiled) must be 64-aligned, every row
-  pitch 16 bytes."""
+  """Sizes that would need a padded copy of the weight are a ValueError at trace
+  time, before any kernel: the weight's sizes in the tiled copies (the forward's
+  columns, both in dB) must be 64-aligned, every row pitch 16 bytes."""
   sd = jax.ShapeDtypeStruct
-  tiles = kernels.fit_stages(hopper.ROW_TILES[2], bf16, bf16)
   for layout, lhs, rhs in ((Layout.NN, (300, 1024), (1024, 1000)),
                            (Layout.NN, (300, 1001), (1001, 1024)),
-                           (Layout.NT, (300, 1004), (1024, 1004))):
+                           (Layout.NT, (300, 1004), (1024, 1004)),
+                           (Layout.TN, (300, 1000), (300, 1024))):
+    tiles = kernels.fit_stages(hopper.TILES if layout is Layout.TN else hopper.ROW_TILES[2],
+                               bf16, bf16)
     gemm = functools.partial(hopper.matmul, layout=layout, out_dtype=bf16, tiles=tiles)
     with pytest.raises(ValueError, match=f"the {layout.name} kernel does not take"):
       jax.jit(gemm).trace(sd(lhs, bf16), sd(rhs, bf16))
