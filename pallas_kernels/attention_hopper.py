@@ -119,6 +119,37 @@ def mosaic_ops() -> tri.Float32Ops:
       log2=_ptx_op("lg2.approx.ftz.f32 $0, $1;"), rows=rows)
 
 
+def _equal_columns_row(x):
+  """[rows, W] float32 whose W columns are equal (``p @ ones``), in the wgmma layout ->
+  its [rows] row values, each thread's own copy: the exact ``x.max(axis=1)``
+  without the shuffles across a row's lanes."""
+  import jax.experimental.mosaic.gpu as mgpu
+  from jaxlib.mlir import ir
+  from jaxlib.mlir.dialects import vector
+  plgpu = mosaic_gpu()
+  row = plgpu.Layout.WGMMA.reduce(1)
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
+                     return_type=plgpu.ShapeDtypeStruct(x.shape[:1], jnp.float32, row))
+  def first_column(_, array):
+    layout = array.layout
+    columns = layout.tiling.tile_dimension(1)
+    registers = array.registers
+    kept = np.empty(tuple(1 if c else d for c, d in zip(columns, registers.shape)), dtype=object)
+    for index in np.ndindex(kept.shape):
+      register = registers[index]
+      if columns[layout.vector_dim]:
+        first = vector.extract(register, dynamic_position=[],
+                               static_position=ir.DenseI64ArrayAttr.get([0]))
+        register = vector.broadcast(ir.VectorType.get((1,), first.type), first)
+      kept[index] = register
+    reduced = layout.reduce((1,))
+    return mgpu.FragmentedArray(_registers=kept.reshape(reduced.registers_shape(x.shape[:1])),
+                                _layout=reduced, _is_signed=None)
+
+  return first_column(x)
+
+
 @functools.cache
 def _scale_by(factor: float):
   """``mul.rn.f32`` by a float32 constant, as an immediate operand (a constant
@@ -362,7 +393,7 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
 
       sums, pv = pl.run_scoped(products, plgpu.ACC((ROWS, tri.ONES_COLUMNS), jnp.float32),
                                plgpu.ACC((ROWS, width), jnp.float32))
-      l_block = sums.max(axis=1)
+      l_block = _equal_columns_row(sums)
       plgpu.barrier_arrive(v_used.at[slot])
       return m_new, ops.fma(l, alpha, l_block), ops.fma(acc, ops.rows(alpha, acc.shape), pv)
 
