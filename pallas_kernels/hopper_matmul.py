@@ -19,10 +19,11 @@ their neighbours (whose rows and columns they recompute to the same bits and
 store again), so no tile reads zero-filled rows past an operand: at K = 13824
 those made a 304-row GEMM 45% slower than a 384-row one with the same tiles. A
 partial last contraction step needs no masking: TMA loads outside the operand
-read zeros. No operand is padded (but dB's token rows to a multiple of 8): the
-blocks one 128-byte column tile wide (contraction-minor operand blocks, the
-epilogue's tiles) move through an untiled view of their shared memory, which
-takes any 16-byte row pitch (:func:`_block_ring`, :func:`takes`). Only 16-bit
+read zeros. No operand is padded or copied: a block whose array Mosaic GPU
+cannot tile (a weight whose columns 64 does not divide, a token count that 8
+does not divide) moves one 128-byte column tile at a time through an untiled
+view of its shared memory, which takes any 16-byte row pitch
+(:func:`_block_ring`, :func:`takes`). Only 16-bit
 operands (bfloat16, float16).
 """
 
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import cdiv, mosaic_gpu, pad_axis
+from pallas_kernels._common import cdiv, mosaic_gpu
 from pallas_kernels.matmul import BLOCK_K, Layout, fit_stages
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -116,33 +117,47 @@ ROW_TILES: tuple[HopperTiles, ...] = (
 LADDER_ROWS = 128
 
 
-def _block_ring(block, dtype, slots: int, swizzle: int):
+def _block_ring(block, dtype, slots: int, swizzle: int, *, tiled: bool):
   """Shared memory for ``slots`` [rows, cols] blocks of an operand or the result
-  (``cols`` minor), tiled (8, S) for wgmma, S the swizzle's width: as
-  ``(copies, mma)``. A block of one column tile (cols = S: the contraction-minor
-  operand blocks and the epilogue's tiles) is plain swizzled rows, so TMA moves
-  it through ``copies``, a view of the same bytes with no tiling, which asks
-  nothing of the array in global memory but a 16-byte row pitch. A block of
-  several column tiles is copied through its tiled view (``copies`` is ``mma``),
-  for which Mosaic GPU tiles the whole array: its minor dimension a multiple of
-  S and its major one of 8."""
+  (``cols`` minor), as ``(copies, mma)``: two views of the same bytes, TMA's and
+  wgmma's, S the swizzle's width.
+
+  ``tiled``: each block is one [rows, cols] array tiled (8, S), which one wgmma
+  reads whole and one TMA fills through that same view; Mosaic GPU then tiles
+  the whole array in global memory, so its minor dimension must be a multiple
+  of S and its major one of 8. Otherwise each block is ``cols / S`` column
+  tiles [rows, S] one after another ([slots, cols / S, rows, S]); a column
+  tile's (8, S) tiles lie in row order, so it is also plain swizzled rows, and
+  TMA fills it through ``copies``, an untiled view, which asks nothing of the
+  array but a 16-byte row pitch. That costs a TMA and a wgmma per column tile
+  where one would do (1-3% at a 4096 x 4096 weight), so it is the choice only
+  where the array cannot be tiled, or where the block is one column tile wide."""
   plgpu = mosaic_gpu()
   rows, cols = block
   width = swizzle // jnp.dtype(dtype).itemsize
   swizzled = plgpu.SwizzleTransform(swizzle)
-  tiled = plgpu.SMEM((slots, rows, cols), dtype,
-                     transforms=(plgpu.TilingTransform((8, width)), swizzled))
-  if cols != width:
-    return plgpu.RefUnion(tiled, tiled)
-  return plgpu.RefUnion(plgpu.SMEM((slots, rows, cols), dtype, transforms=(swizzled,)), tiled)
+  tiling = plgpu.TilingTransform((8, width))
+  if tiled:
+    mma = plgpu.SMEM((slots, rows, cols), dtype, transforms=(tiling, swizzled))
+    return plgpu.RefUnion(mma, mma)
+  shape = (slots, cols // width, rows, width)
+  return plgpu.RefUnion(plgpu.SMEM(shape, dtype, transforms=(swizzled,)),
+                        plgpu.SMEM(shape, dtype, transforms=(tiling, swizzled)))
 
 
-def _copy_block(gmem, rows, first_col: int, copies, barrier):
+def _copy_block(gmem, rows, first_col, copies, barrier):
   """TMA of the [rows, cols] block of ``gmem`` at ``rows`` and columns from
-  ``first_col`` into ``copies`` (a slot of a :func:`_block_ring`'s copy view),
-  arriving on ``barrier``. Columns and rows past the array read zeros."""
+  ``first_col`` into ``copies`` (a slot of a :func:`_block_ring`'s copy view):
+  one copy for a tiled block, one per column tile otherwise, all arriving on
+  ``barrier``. Columns and rows past the array read zeros."""
   plgpu = mosaic_gpu()
-  plgpu.copy_gmem_to_smem(gmem.at[rows, pl.ds(first_col, copies.shape[-1])], copies, barrier)
+  if copies.ndim == 2:
+    plgpu.copy_gmem_to_smem(gmem.at[rows, pl.ds(first_col, copies.shape[1])], copies, barrier)
+    return
+  width = copies.shape[-1]
+  for tile in range(copies.shape[0]):
+    plgpu.copy_gmem_to_smem(gmem.at[rows, pl.ds(first_col + tile * width, width)],
+                            copies.at[tile], barrier)
 
 
 def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles, rows: int,
@@ -171,13 +186,27 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
 
   lhs_block = (BLOCK_K, bm) if lhs_t else (bm, BLOCK_K)
   rhs_block = (cta_n, BLOCK_K) if rhs_t else (BLOCK_K, cta_n)
-  rings = (_block_ring(lhs_block, dtype, stages, swizzle),
-           _block_ring(rhs_block, dtype, stages, swizzle),
-           _block_ring((epi, epi_cols), out_dtype, 4, out_swizzle))
-  # A slot's two copies (lhs and rhs blocks) arrive on its loaded barrier; both
-  # consumers release it.
-  barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+  width = swizzle // dtype.itemsize  # an operand block's column tile
+
+  def tiled(gmem, block):
+    """Whether ``block`` (several column tiles) copies in one TMA from ``gmem``."""
+    return (block[1] > width and gmem.shape[0] % TMA_PITCH == 0
+            and gmem.shape[1] % width == 0)
+
+  lhs_tiled, rhs_tiled = tiled(lhs_gmem, lhs_block), tiled(rhs_gmem, rhs_block)
+  rings = (_block_ring(lhs_block, dtype, stages, swizzle, tiled=lhs_tiled),
+           _block_ring(rhs_block, dtype, stages, swizzle, tiled=rhs_tiled),
+           _block_ring((epi, epi_cols), out_dtype, 4, out_swizzle, tiled=False))
+  # A slot's copies (lhs and rhs blocks, see _copy_block) arrive on its loaded
+  # barrier; both consumers release it.
+  copies_per_stage = sum(1 if is_tiled else block[1] // width
+                         for block, is_tiled in ((lhs_block, lhs_tiled), (rhs_block, rhs_tiled)))
+  barriers = (plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=stages),
               plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+  # A consumer's accumulator takes one wgmma per column tile of an operand
+  # block stored as column tiles (TN's lhs by rows, NN's and TN's rhs by columns).
+  piece_m = width if lhs_t and not lhs_tiled else acc_m
+  piece_n = width if not (rhs_t or rhs_tiled) else acc_n
 
   def body(lhs_smem, rhs_smem, out_smem, loaded, consumed):
     (lhs_copies, lhs_mma), (rhs_copies, rhs_mma), (out_copies, out_stage) = (
@@ -187,10 +216,23 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
     @pl.when(wg < 2)
     def _consumer():
       plgpu.set_max_registers(232, action="increase")
-      if tiles.split_rows:
-        wg_rows, wg_cols = pl.ds(wg * acc_m, acc_m), slice(None)
-      else:
-        wg_rows, wg_cols = slice(None), pl.ds(wg * acc_n, acc_n)
+      wg_row0, wg_col0 = ((wg * acc_m, 0) if tiles.split_rows else (0, wg * acc_n))
+
+      def lhs_piece(slot, p):
+        """Rows p * piece_m.. of this warpgroup's accumulator: [piece_m, BLOCK_K]."""
+        if not lhs_t:
+          return lhs_mma.at[slot, 0, pl.ds(wg_row0, acc_m)]
+        if lhs_tiled:
+          return lhs_mma.at[slot, :, pl.ds(wg_row0, acc_m)].transpose((1, 0))
+        return lhs_mma.at[slot, wg_row0 // width + p].transpose((1, 0))
+
+      def rhs_piece(slot, q):
+        """Columns q * piece_n.. of this warpgroup's accumulator: [BLOCK_K, piece_n]."""
+        if rhs_t:
+          return rhs_mma.at[slot, 0, pl.ds(wg_col0, acc_n)].transpose((1, 0))
+        if rhs_tiled:
+          return rhs_mma.at[slot, :, pl.ds(wg_col0, acc_n)]
+        return rhs_mma.at[slot, wg_col0 // width + q]
 
       def consume(j, steps_done):
         tile = program + j * programs
@@ -202,11 +244,11 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
             def step(_, c):
               slot = lax.rem(c, stages)
               plgpu.barrier_wait(loaded.at[slot])
-              lhs = (lhs_mma.at[slot, :, wg_rows].transpose((1, 0)) if lhs_t
-                     else lhs_mma.at[slot, wg_rows, :])
-              rhs = (rhs_mma.at[slot, wg_cols, :].transpose((1, 0)) if rhs_t
-                     else rhs_mma.at[slot, :, wg_cols])
-              plgpu.wgmma(acc_ref, lhs, rhs)
+              for p in range(acc_m // piece_m):
+                for q in range(acc_n // piece_n):
+                  plgpu.wgmma(acc_ref.at[pl.ds(p * piece_m, piece_m),
+                                         pl.ds(q * piece_n, piece_n)],
+                              lhs_piece(slot, p), rhs_piece(slot, q))
               plgpu.wgmma_wait(0)
               plgpu.barrier_arrive(consumed.at[slot])
               return c + 1
@@ -217,15 +259,14 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
                                     plgpu.Layout.WGMMA)
           out = pl.run_state(mainloop)(plgpu.ACC.init(zeros)).astype(out_dtype)
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          wg_row0, wg_col0 = ((wg * acc_m, 0) if tiles.split_rows else (0, wg * acc_n))
           for e in range((acc_m // epi) * (acc_n // epi_cols)):
             mi, ni = divmod(e, acc_n // epi_cols)
             buffer = 2 * wg + e % 2
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            out_stage[buffer] = out[mi * epi:(mi + 1) * epi, ni * epi_cols:(ni + 1) * epi_cols]
+            out_stage[buffer, 0] = out[mi * epi:(mi + 1) * epi, ni * epi_cols:(ni + 1) * epi_cols]
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(
-                out_copies.at[buffer],
+                out_copies.at[buffer, 0],
                 out_gmem.at[pl.ds(first_row + wg_row0 + mi * epi, epi),
                             pl.ds(first_col + wg_col0 + ni * epi_cols, epi_cols)])
 
@@ -266,21 +307,16 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
 
 
 # TMA moves rows whose pitch is a multiple of 16 bytes: 8 elements of a 16-bit
-# operand. A block of several column tiles (the NN rhs, both TN operands) needs
-# its array tiled: the minor dimension a multiple of TMA_TILE_COLS and the major
-# one of TMA_PITCH.
-TMA_PITCH, TMA_TILE_COLS = 8, 64
+# operand (and of the result, which is no wider).
+TMA_PITCH = 8
 
 
 def takes(layout: Layout, rows: int, cols: int, contraction: int) -> bool:
   """Whether :func:`matmul` takes a rows x cols result over ``contraction`` in
-  ``layout`` without copying an operand, but for TN's token rows, padded to a
-  multiple of 8 where they are not (dB over a token count)."""
-  if layout is Layout.TN:
-    return rows % TMA_TILE_COLS == 0 and cols % TMA_TILE_COLS == 0
-  if layout is Layout.NN:
-    return contraction % TMA_PITCH == 0 and cols % TMA_TILE_COLS == 0
-  return contraction % TMA_PITCH == 0 and cols % TMA_PITCH == 0
+  ``layout``: every operand's and the result's minor dimension a multiple of
+  ``TMA_PITCH``. Nothing is copied."""
+  lhs_minor = rows if layout is Layout.TN else contraction
+  return lhs_minor % TMA_PITCH == 0 and cols % TMA_PITCH == 0
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "out_dtype", "tiles"))
@@ -291,8 +327,7 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
   [cols, K] (NT). Both share a 16-bit dtype; the sizes must be ones the kernel
   :func:`takes`; ``tiles``' stages must fit shared memory
   (``pallas_kernels.matmul.fit_stages``) and its program tile the result
-  (``HopperTiles.fits``). TN's token rows are zero-padded to a multiple of 8 (a
-  copy) where they are not one; nothing else is copied.
+  (``HopperTiles.fits``). No operand is copied.
   """
   if lhs.dtype not in DTYPES or rhs.dtype != lhs.dtype:
     raise TypeError(f"operands must share a 16-bit dtype, got {lhs.dtype} and {rhs.dtype}")
@@ -308,8 +343,6 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
                      f"{rhs.shape}: see hopper_matmul.takes")
   if not tiles.fits(rows, cols):
     raise ValueError(f"{tiles} does not fit a {rows} x {cols} result (HopperTiles.fits)")
-  if layout is Layout.TN:
-    lhs, rhs = pad_axis(lhs, 0, TMA_PITCH), pad_axis(rhs, 0, TMA_PITCH)
   return _launch(lhs, rhs, layout=layout, out_dtype=out_dtype, tiles=tiles, rows=rows,
                  cols=cols, k_steps=cdiv(contraction, BLOCK_K))
 

@@ -9,11 +9,9 @@ may choose by any size, the token count included. It chooses speed, never bits:
 * ``Kernel.MOSAIC_GPU`` (:mod:`pallas_kernels.hopper_matmul`): TMA + wgmma on a
   persistent grid. An H100, 16-bit operands, one problem (no groups), more than
   ``hopper_matmul.LADDER_ROWS`` rows for the forward and dA, a result no
-  smaller than a program tile, and sizes that the kernel takes without copying
-  an operand (``hopper_matmul.takes``: 16-byte row pitches, and the weight's
-  columns a multiple of 64 in the forward and both weight sizes in dB). Where
-  dB's token count is not a multiple of 8 the launcher copies its two operands
-  padded to 8 rows.
+  smaller than a program tile, and 16-byte row pitches (``hopper_matmul.takes``:
+  the minor dimension of each operand and of the result a multiple of 8). It
+  copies no operand, whatever the token count.
 * ``Kernel.PALLAS_TRITON`` (:mod:`pallas_kernels.matmul`): the Pallas Triton
   lowering, masked edges, no copies; every other GEMM, every chunked
   contraction (``plan``'s ``contraction_chunk``), and every GEMM in interpret

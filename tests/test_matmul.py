@@ -321,22 +321,19 @@ def test_chunked_contraction_equals_a_loop_of_gemms(where):
 
 def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
   """The Mosaic GPU kernel runs 16-bit GEMMs of one problem with a result no
-  smaller than one of its tiles and 16-byte row pitches: the forward above
-  LADDER_ROWS rows with K a multiple of 8 and 64-aligned result columns (the
-  weight's rows are tiled), dA above LADDER_ROWS rows with K and the columns
-  multiples of 8, dB with both weight sizes 64-aligned whatever the token count."""
+  smaller than one of its tiles and 16-byte row pitches (every operand's and the
+  result's minor dimension a multiple of 8): the forward and dA above LADDER_ROWS
+  rows, dB whatever the token count."""
   for layout in Layout:
-    for rows in (1, 64, 128, 129, 192, 300, 777, 4096):
-      for cols in (64, 128, 192, 320, 1000, 1024, 4096, 13824):
+    for rows in (1, 64, 128, 129, 192, 300, 777, 1000, 1001, 4096):
+      for cols in (64, 128, 192, 320, 1000, 1004, 1024, 4096, 13824):
         for contraction in (100, 777, 3000, 4096):
           chosen = _plan(layout, rows, cols, contraction)
           if layout is Layout.TN:
-            mosaic_fits = rows % 64 == 0 and cols % 64 == 0 and hopper.TILES.fits(rows, cols)
+            mosaic_fits = rows % 8 == 0 and cols % 8 == 0 and hopper.TILES.fits(rows, cols)
             assert chosen == _plan(layout, rows, cols, 1), "dB's plan sees the token count"
           else:
-            col_multiple = 64 if layout is Layout.NN else 8
-            mosaic_fits = (rows > hopper.LADDER_ROWS and cols % col_multiple == 0
-                           and contraction % 8 == 0
+            mosaic_fits = (rows > hopper.LADDER_ROWS and cols % 8 == 0 and contraction % 8 == 0
                            and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
           assert (chosen.kernel is Kernel.MOSAIC_GPU) == mosaic_fits, (layout, rows, cols,
                                                                         contraction, chosen)
@@ -381,14 +378,14 @@ def test_plan_mosaic_row_tile_rule():
 
 
 def test_mosaic_kernel_rejects_sizes_it_does_not_take():
-  """Sizes that would need a padded copy of the weight are a ValueError at trace
-  time, before any kernel: the weight's sizes in the tiled copies (the forward's
-  columns, both in dB) must be 64-aligned, every row pitch 16 bytes."""
+  """A row pitch TMA cannot take (an operand's or the result's minor dimension
+  not a multiple of 8) is a ValueError at trace time, before any kernel."""
   sd = jax.ShapeDtypeStruct
-  for layout, lhs, rhs in ((Layout.NN, (300, 1024), (1024, 1000)),
-                           (Layout.NN, (300, 1001), (1001, 1024)),
+  for layout, lhs, rhs in ((Layout.NN, (300, 1001), (1001, 1024)),
+                           (Layout.NN, (300, 1024), (1024, 1004)),
                            (Layout.NT, (300, 1004), (1024, 1004)),
-                           (Layout.TN, (300, 1000), (300, 1024))):
+                           (Layout.NT, (300, 1024), (1004, 1024)),
+                           (Layout.TN, (300, 1004), (300, 1024))):
     tiles = kernels.fit_stages(hopper.TILES if layout is Layout.TN else hopper.ROW_TILES[2],
                                bf16, bf16)
     gemm = functools.partial(hopper.matmul, layout=layout, out_dtype=bf16, tiles=tiles)
@@ -398,17 +395,19 @@ def test_mosaic_kernel_rejects_sizes_it_does_not_take():
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU tests compile the kernel for real")
 def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
-  """Each Mosaic GPU tile lowers for an H100 (132 SMs) in each layout, with sizes
-  that only its untiled copies take: a token count that 8 does not divide, a
-  contraction and (dA) result columns that 64 does not divide."""
+  """Each Mosaic GPU tile lowers for an H100 (132 SMs) in each layout, with
+  operand blocks copied whole (tiled: 64-aligned weight columns, a token count
+  that 8 divides) and one column tile at a time (1000 weight columns, 301
+  tokens), and a contraction that 64 does not divide."""
   if not cuda_lowering_available():
     pytest.skip("jax's CUDA lowering is not installed")
   h100 = type("H100", (), {"core_count": 132})()
   monkeypatch.setattr(jax, "devices", lambda *_: [h100])
   sd = jax.ShapeDtypeStruct
-  operands = {Layout.NN: ((1001, 3000), (3000, 1024)), Layout.NT: ((999, 1000), (3000, 1000)),
-              Layout.TN: ((301, 1024), (301, 1024))}
-  for layout, (lhs, rhs) in operands.items():
+  operands = [(Layout.NN, (1001, 3000), (3000, 1024)), (Layout.NN, (1001, 3000), (3000, 1000)),
+              (Layout.NT, (999, 1000), (3000, 1000)), (Layout.TN, (304, 1024), (304, 1000)),
+              (Layout.TN, (301, 1000), (301, 1024))]
+  for layout, lhs, rhs in operands:
     for tiles in [hopper.TILES] if layout is Layout.TN else hopper.ROW_TILES:
       tiles = kernels.fit_stages(tiles, bf16, bf16)
       gemm = functools.partial(hopper.matmul, layout=layout, out_dtype=bf16, tiles=tiles)
