@@ -23,8 +23,7 @@ read zeros. No operand is padded or copied: a block whose array Mosaic GPU
 cannot tile (a weight whose columns 64 does not divide, a token count that 8
 does not divide) moves one 128-byte column tile at a time through an untiled
 view of its shared memory, which takes any 16-byte row pitch
-(:func:`_block_ring`, :func:`takes`). Only 16-bit
-operands (bfloat16, float16).
+(:func:`_block_ring`, :func:`takes`). Only 16-bit operands (bfloat16, float16).
 """
 
 from __future__ import annotations
@@ -130,8 +129,9 @@ def _block_ring(block, dtype, slots: int, swizzle: int, *, tiled: bool):
   tile's (8, S) tiles lie in row order, so it is also plain swizzled rows, and
   TMA fills it through ``copies``, an untiled view, which asks nothing of the
   array but a 16-byte row pitch. That costs a TMA and a wgmma per column tile
-  where one would do (1-3% at a 4096 x 4096 weight), so it is the choice only
-  where the array cannot be tiled, or where the block is one column tile wide."""
+  where one would do (1-3% slower at aligned weights on the H100,
+  benchmarks/results/h100.md), so it is the choice only where the array cannot
+  be tiled, or where the block is one column tile wide."""
   plgpu = mosaic_gpu()
   rows, cols = block
   width = swizzle // jnp.dtype(dtype).itemsize
