@@ -158,9 +158,7 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
   if (not device.is_hopper or dtype not in mosaic.DTYPES or groups != 1
       or not mosaic.takes(layout, rows, cols, contraction)):
     return None
-  if layout is Layout.TN:
-    tiles = mosaic.TILES if mosaic.TILES.fits(rows, cols) else None
-  elif rows > mosaic.LADDER_ROWS:
+  if layout is Layout.TN or rows > mosaic.LADDER_ROWS:
     tiles = mosaic_row_tiles(rows, cols, device.sm_count)
   else:
     tiles = None

@@ -330,7 +330,8 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
         for contraction in (100, 777, 3000, 4096):
           chosen = _plan(layout, rows, cols, contraction)
           if layout is Layout.TN:
-            mosaic_fits = rows % 8 == 0 and cols % 8 == 0 and hopper.TILES.fits(rows, cols)
+            mosaic_fits = (rows % 8 == 0 and cols % 8 == 0
+                           and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
             assert chosen == _plan(layout, rows, cols, 1), "dB's plan sees the token count"
           else:
             mosaic_fits = (rows > hopper.LADDER_ROWS and cols % 8 == 0 and contraction % 8 == 0
@@ -408,7 +409,7 @@ def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
               (Layout.NT, (999, 1000), (3000, 1000)), (Layout.TN, (304, 1024), (304, 1000)),
               (Layout.TN, (301, 1000), (301, 1024))]
   for layout, lhs, rhs in operands:
-    for tiles in [hopper.TILES] if layout is Layout.TN else hopper.ROW_TILES:
+    for tiles in hopper.ROW_TILES:
       tiles = kernels.fit_stages(tiles, bf16, bf16)
       gemm = functools.partial(hopper.matmul, layout=layout, out_dtype=bf16, tiles=tiles)
       jax.jit(gemm).trace(sd(lhs, bf16), sd(rhs, bf16)).lower(lowering_platforms=("cuda",))
@@ -432,9 +433,8 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype):
     plans.append(dataclasses.replace(plans[0], kernel=Kernel.JAX_TRITON))
   if matmul_plan.plan(layout, rows, cols, contraction, dtype=dtype,
                       out_dtype=dtype).kernel is Kernel.MOSAIC_GPU:
-    tiles = [hopper.TILES] if layout is Layout.TN else hopper.ROW_TILES
     plans += [matmul_plan.Plan(Kernel.MOSAIC_GPU, kernels.fit_stages(t, dtype, dtype))
-              for t in tiles if t.fits(rows, cols)]
+              for t in hopper.ROW_TILES if t.fits(rows, cols)]
   return plans
 
 
