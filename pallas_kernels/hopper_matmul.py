@@ -23,7 +23,10 @@ read zeros. No operand is padded or copied: a block whose array Mosaic GPU
 cannot tile (a weight whose columns 64 does not divide, a token count that 8
 does not divide) moves one 128-byte column tile at a time through an untiled
 view of its shared memory, which takes any 16-byte row pitch
-(:func:`_block_ring`, :func:`takes`). Only 16-bit operands (bfloat16, float16).
+(:func:`_block_ring`, :func:`takes`). Where the rhs's rows do not start on
+128-byte lines, the plan may run the programs in clusters of two that share each
+rhs block by TMA multicast (``HopperTiles.multicast``). Only 16-bit operands
+(bfloat16, float16).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pallas_kernels.matmul import BLOCK_K, Layout, fit_stages
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 EPILOGUE_TILE = 64  # the output leaves in TMA stores of 64 rows
+CLUSTER = "cluster"  # the grid axis of a multicast tile's two CTAs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,9 +55,12 @@ class HopperTiles:
   the rhs block. ``num_stages`` TMA loads run ahead. Programs take the tiles in
   strips ``strip_width`` tiles wide across ``strip_dim`` (0: rows of tiles, 1:
   columns), the index across the strip changing fastest, every other strip
-  walked backwards (L2 reuse). None of it changes the sums. ``throughput``
+  walked backwards (L2 reuse). With ``multicast`` the programs run in
+  clusters of two CTAs that take two neighbouring row blocks and receive each
+  rhs block by one TMA multicast, so each SM reads half of it; an odd last row
+  block is computed by both CTAs. None of it changes the sums. ``throughput``
   is the tile's measured throughput per SM relative to 128 x 128, which the
-  forward/dA tile rule (``matmul_plan.mosaic_row_tiles``) weighs."""
+  tile rule (``matmul_plan.mosaic_row_tiles``) weighs."""
   block_m: int = 128
   block_n: int = 128
   num_stages: int = 4
@@ -61,6 +68,7 @@ class HopperTiles:
   strip_width: int = 8
   split_rows: bool = False
   throughput: float = 1.0
+  multicast: bool = False
 
   def __post_init__(self):
     if self.split_rows and self.block_m != 128:
@@ -72,9 +80,16 @@ class HopperTiles:
     """Columns of a program's output tile: both warpgroups' halves."""
     return 2 * self.block_n
 
+  @property
+  def cluster_rows(self) -> int:
+    """Row blocks per cluster of CTAs: 2 with ``multicast``, else 1."""
+    return 2 if self.multicast else 1
+
   def tile_count(self, rows: int, cols: int) -> int:
-    """Program tiles covering a rows x cols result."""
-    return cdiv(rows, self.block_m) * cdiv(cols, self.block_cols)
+    """CTA tiles covering a rows x cols result, a repeated odd last row block
+    of a ``multicast`` grid included."""
+    clusters = cdiv(cdiv(rows, self.block_m), self.cluster_rows) * cdiv(cols, self.block_cols)
+    return clusters * self.cluster_rows
 
   def fits(self, rows: int, cols: int) -> bool:
     """Whether the program tile lies inside a rows x cols result (edge tiles may
@@ -111,6 +126,11 @@ ROW_TILES: tuple[HopperTiles, ...] = (
     HopperTiles(64, 128, num_stages=4, throughput=0.90),          # 64 x 256
     HopperTiles(64, 64, num_stages=8, throughput=0.75),           # 64 x 128
 )
+# The tile rule's factor on a plain tile's time where the rhs's rows do not start on
+# 128-byte lines (:func:`rhs_rows_aligned`), relative to its ``multicast`` twin:
+# every TMA box row then straddles two lines, and multicast halves each SM's
+# share (1.13-1.52 at equal waves on the H100, benchmarks/results/h100.md).
+MISALIGNED_RHS_SLOWDOWN = 1.3
 # Up to this many rows the forward and dA run on the Triton ladder, faster at
 # M = 128 in 8 of the 10 benchmark GEMMs (notes/h100_notebook.md).
 LADDER_ROWS = 128
@@ -145,19 +165,21 @@ def _block_ring(block, dtype, slots: int, swizzle: int, *, tiled: bool):
                         plgpu.SMEM(shape, dtype, transforms=(tiling, swizzled)))
 
 
-def _copy_block(gmem, rows, first_col, copies, barrier):
+def _copy_block(gmem, rows, first_col, copies, barrier, *, multicast: bool = False):
   """TMA of the [rows, cols] block of ``gmem`` at ``rows`` and columns from
   ``first_col`` into ``copies`` (a slot of a :func:`_block_ring`'s copy view):
   one copy for a tiled block, one per column tile otherwise, all arriving on
-  ``barrier``. Columns and rows past the array read zeros."""
+  ``barrier``; with ``multicast``, into both CTAs of the cluster. Columns and
+  rows past the array read zeros."""
   plgpu = mosaic_gpu()
+  copy = functools.partial(plgpu.copy_gmem_to_smem, barrier=barrier,
+                           collective_axes=CLUSTER if multicast else None)
   if copies.ndim == 2:
-    plgpu.copy_gmem_to_smem(gmem.at[rows, pl.ds(first_col, copies.shape[1])], copies, barrier)
+    copy(gmem.at[rows, pl.ds(first_col, copies.shape[1])], copies)
     return
   width = copies.shape[-1]
   for tile in range(copies.shape[0]):
-    plgpu.copy_gmem_to_smem(gmem.at[rows, pl.ds(first_col + tile * width, width)],
-                            copies.at[tile], barrier)
+    copy(gmem.at[rows, pl.ds(first_col + tile * width, width)], copies.at[tile])
 
 
 def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles, rows: int,
@@ -175,14 +197,18 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   lhs_t, rhs_t = layout is Layout.TN, layout is Layout.NT
   stages = min(tiles.num_stages, k_steps)
   num_m, num_n = cdiv(rows, bm), cdiv(cols, cta_n)
-  num_tiles = num_m * num_n
+  num_groups_m = cdiv(num_m, tiles.cluster_rows)  # a cluster's row blocks count as one
+  num_tiles = num_groups_m * num_n
   acc_m, acc_n = (bm // 2, cta_n) if tiles.split_rows else (bm, tiles.block_n)
   program = lax.axis_index("sm")
+  cta = lax.axis_index(CLUSTER) if tiles.multicast else 0
 
   def tile_slices(tile):
     """The tile's rows and columns of the result; edge tiles end at its edge."""
-    i, j = plgpu.planar_snake(tile, (num_m, num_n), tiles.strip_dim, tiles.strip_width)
-    return jnp.minimum(i * bm, rows - bm), jnp.minimum(j * cta_n, cols - cta_n)
+    i, j = plgpu.planar_snake(tile, (num_groups_m, num_n), tiles.strip_dim,
+                              tiles.strip_width)
+    row_block = jnp.minimum(i * tiles.cluster_rows + cta, num_m - 1)
+    return jnp.minimum(row_block * bm, rows - bm), jnp.minimum(j * cta_n, cols - cta_n)
 
   lhs_block = (BLOCK_K, bm) if lhs_t else (bm, BLOCK_K)
   rhs_block = (cta_n, BLOCK_K) if rhs_t else (BLOCK_K, cta_n)
@@ -201,8 +227,11 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   # barrier; both consumers release it.
   copies_per_stage = sum(1 if is_tiled else block[1] // width
                          for block, is_tiled in ((lhs_block, lhs_tiled), (rhs_block, rhs_tiled)))
+  # With multicast a slot is free once both CTAs' consumers release it.
   barriers = (plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=stages),
-              plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+              plgpu.ClusterBarrier(collective_axes=(CLUSTER,), num_arrivals=2,
+                                   num_barriers=stages) if tiles.multicast
+              else plgpu.Barrier(num_arrivals=2, num_barriers=stages))
   # A consumer's accumulator takes one wgmma per column tile of an operand
   # block stored as column tiles (TN's lhs by rows, NN's and TN's rhs by columns).
   piece_m = width if lhs_t and not lhs_tiled else acc_m
@@ -292,15 +321,22 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
             _copy_block(lhs_gmem, ks, first_row, lhs_copies.at[slot], loaded.at[slot])
           else:
             _copy_block(lhs_gmem, m_slice, k0, lhs_copies.at[slot], loaded.at[slot])
-          if rhs_t:
-            _copy_block(rhs_gmem, n_slice, k0, rhs_copies.at[slot], loaded.at[slot])
-          else:
-            _copy_block(rhs_gmem, ks, first_col, rhs_copies.at[slot], loaded.at[slot])
+          rhs_rows, rhs_col = (n_slice, k0) if rhs_t else (ks, first_col)
+          _copy_block(rhs_gmem, rhs_rows, rhs_col, rhs_copies.at[slot], loaded.at[slot],
+                      multicast=tiles.multicast)
           return c + 1
 
         return lax.fori_loop(0, jnp.where(tile < num_tiles, k_steps, 0), step, steps_done)
 
-      lax.fori_loop(0, cdiv(num_tiles, programs), produce, jnp.int32(0))
+      steps_done = lax.fori_loop(0, cdiv(num_tiles, programs), produce, jnp.int32(0))
+      if tiles.multicast:
+        # The other CTA's consumers arrive on this CTA's barriers: wait for the last
+        # slots' arrivals so that none lands after this CTA has exited.
+        def drain(c, carry):
+          plgpu.barrier_wait(consumed.at[lax.rem(c, stages)])
+          return carry
+
+        lax.fori_loop(jnp.maximum(steps_done - stages, 0), steps_done, drain, jnp.int32(0))
 
   pl.run_scoped(lambda *refs: body(*refs[:3], *refs[3]), *rings, barriers,
                 collective_axes="wg")
@@ -317,6 +353,12 @@ def takes(layout: Layout, rows: int, cols: int, contraction: int) -> bool:
   ``TMA_PITCH``. Nothing is copied."""
   lhs_minor = rows if layout is Layout.TN else contraction
   return lhs_minor % TMA_PITCH == 0 and cols % TMA_PITCH == 0
+
+
+def rhs_rows_aligned(layout: Layout, cols: int, contraction: int) -> bool:
+  """Whether each row of the 16-bit rhs starts on a 128-byte line: its minor
+  dimension (cols for NN and TN, the contraction for NT) a multiple of 64."""
+  return (contraction if layout is Layout.NT else cols) % 64 == 0
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "out_dtype", "tiles"))
@@ -351,6 +393,7 @@ def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles, rows: in
             k_steps: int):
   plgpu = mosaic_gpu()
   programs = min(jax.devices()[0].core_count, tiles.tile_count(rows, cols))
+  programs //= tiles.cluster_rows  # grid counts clusters
   kernel = functools.partial(_kernel, layout=layout, tiles=tiles, rows=rows, cols=cols,
                              k_steps=k_steps, programs=programs)
   return plgpu.kernel(
@@ -358,6 +401,8 @@ def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles, rows: in
       out_type=jax.ShapeDtypeStruct((rows, cols), out_dtype),
       grid=(programs,),
       grid_names=("sm",),
+      cluster=(tiles.cluster_rows,),
+      cluster_names=(CLUSTER,),
       num_threads=3,
       thread_name="wg",
   )(lhs, rhs)

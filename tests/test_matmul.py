@@ -363,8 +363,8 @@ def test_plan_triton_tile_rule():
 
 
 def test_plan_mosaic_row_tile_rule():
-  """The Mosaic kernel's forward/dA tile rule (132 SMs): the picks the H100
-  sweeps found fastest."""
+  """The Mosaic kernel's tile rule (132 SMs): the picks the H100 sweeps found
+  fastest."""
   pick = lambda rows, cols: matmul_plan.mosaic_row_tiles(rows, cols, num_sms=132)
   big, narrow, square, wide, small = hopper.ROW_TILES
   assert pick(192, 4096) == pick(256, 4096) == small    # 96 / 128 programs of 64 x 128
@@ -374,6 +374,20 @@ def test_plan_mosaic_row_tile_rule():
   assert pick(640, 12288) == pick(512, 32000) == pick(16384, 4096) == big
   assert _plan(Layout.NN, 4096, 4096, 4096).tiles == pick(4096, 4096)
   assert pick(4096, 192).fits(4096, 192) and pick(4096, 64) is None  # only tiles that fit
+  assert not any(pick(m, n).multicast for m in (129, 300, 1000, 4096) for n in (256, 4096))
+  # An rhs whose rows straddle 128-byte lines: multicast twins, unless the repeated
+  # odd row block costs a wave (300 x 3000: 120 plain 64 x 128 tiles, 144 paired).
+  misaligned = lambda rows, cols: matmul_plan.mosaic_row_tiles(rows, cols, num_sms=132,
+                                                                rhs_aligned=False)
+  twin = lambda tiles: dataclasses.replace(tiles, multicast=True)
+  assert misaligned(300, 1000) == misaligned(1000, 1000) == twin(small)
+  assert misaligned(2048, 1000) == twin(square) and misaligned(300, 3000) == small
+  assert misaligned(1000, 3000) == misaligned(2048, 3000) == twin(narrow)
+  assert misaligned(4096, 1000) == misaligned(16384, 3000) == twin(big)
+  assert _plan(Layout.NN, 4096, 1000, 3000).tiles == twin(big)
+  assert _plan(Layout.NN, 4096, 4096, 1000).tiles == big  # only the rhs's pitch counts
+  assert _plan(Layout.NT, 4096, 4096, 1000).tiles == twin(big)
+  assert _plan(Layout.TN, 3000, 1000, 16384).tiles == twin(big)
   with pytest.raises(ValueError, match="split_rows needs block_m = 128"):
     hopper.HopperTiles(64, 128, split_rows=True)
 
@@ -396,10 +410,10 @@ def test_mosaic_kernel_rejects_sizes_it_does_not_take():
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU tests compile the kernel for real")
 def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
-  """Each Mosaic GPU tile lowers for an H100 (132 SMs) in each layout, with
-  operand blocks copied whole (tiled: 64-aligned weight columns, a token count
-  that 8 divides) and one column tile at a time (1000 weight columns, 301
-  tokens), and a contraction that 64 does not divide."""
+  """Each Mosaic GPU tile and its multicast twin lowers for an H100 (132 SMs) in
+  each layout, with operand blocks copied whole (tiled: 64-aligned weight
+  columns, a token count that 8 divides) and one column tile at a time (1000
+  weight columns, 301 tokens), and a contraction that 64 does not divide."""
   if not cuda_lowering_available():
     pytest.skip("jax's CUDA lowering is not installed")
   h100 = type("H100", (), {"core_count": 132})()
@@ -409,7 +423,7 @@ def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
               (Layout.NT, (999, 1000), (3000, 1000)), (Layout.TN, (304, 1024), (304, 1000)),
               (Layout.TN, (301, 1000), (301, 1024))]
   for layout, lhs, rhs in operands:
-    for tiles in hopper.ROW_TILES:
+    for tiles in (*hopper.ROW_TILES, *_multicast_twins(hopper.ROW_TILES)):
       tiles = kernels.fit_stages(tiles, bf16, bf16)
       gemm = functools.partial(hopper.matmul, layout=layout, out_dtype=bf16, tiles=tiles)
       jax.jit(gemm).trace(sd(lhs, bf16), sd(rhs, bf16)).lower(lowering_platforms=("cuda",))
@@ -422,10 +436,15 @@ def _gpu_ladder_configs():
           if config.num_stages]
 
 
+def _multicast_twins(tiles):
+  return [dataclasses.replace(t, multicast=True) for t in tiles]
+
+
 def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype):
   """Every plan the plan could make for a GEMM of these sizes: each Triton ladder
   tile at each stage count, jax-triton where it is installed, and, where the
-  Mosaic GPU kernel serves the sizes, each of its tiles."""
+  Mosaic GPU kernel serves the sizes, each of its tiles, with their multicast
+  twins where the rhs's rows are not 128-byte aligned."""
   plans = [matmul_plan.Plan(Kernel.PALLAS_TRITON, kernels.fit_stages(t, dtype, dtype))
            for t in (_gpu_ladder_configs() if layout is not Layout.TN
                      else [kernels.GPU_AT_B_TILES, *kernels.GPU_MATMUL_LADDER])]
@@ -433,8 +452,11 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype):
     plans.append(dataclasses.replace(plans[0], kernel=Kernel.JAX_TRITON))
   if matmul_plan.plan(layout, rows, cols, contraction, dtype=dtype,
                       out_dtype=dtype).kernel is Kernel.MOSAIC_GPU:
+    tiles = hopper.ROW_TILES
+    if not hopper.rhs_rows_aligned(layout, cols, contraction):
+      tiles += tuple(_multicast_twins(tiles))
     plans += [matmul_plan.Plan(Kernel.MOSAIC_GPU, kernels.fit_stages(t, dtype, dtype))
-              for t in hopper.ROW_TILES if t.fits(rows, cols)]
+              for t in tiles if t.fits(rows, cols)]
   return plans
 
 
