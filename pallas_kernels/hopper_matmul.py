@@ -59,8 +59,9 @@ class HopperTiles:
   clusters of two CTAs that take two neighbouring row blocks and receive each
   rhs block by one TMA multicast, so each SM reads half of it; an odd last row
   block is computed by both CTAs. None of it changes the sums. ``throughput``
-  is the tile's measured throughput per SM relative to 128 x 128, which the
-  tile rule (``matmul_plan.mosaic_row_tiles``) weighs."""
+  is the tile's measured throughput per SM relative to 128 x 128 with both
+  operands' rows on 128-byte lines; :meth:`rate` is the one the tile rule
+  (``matmul_plan.mosaic_row_tiles``) weighs."""
   block_m: int = 128
   block_n: int = 128
   num_stages: int = 4
@@ -84,6 +85,16 @@ class HopperTiles:
   def cluster_rows(self) -> int:
     """Row blocks per cluster of CTAs: 2 with ``multicast``, else 1."""
     return 2 if self.multicast else 1
+
+  def rate(self, lhs_aligned: bool, rhs_aligned: bool) -> float:
+    """Throughput per SM relative to 128 x 128: ``throughput``, capped by the
+    operand lines a step takes in per FLOP (``LINE_BOUND``). A 128-byte TMA box
+    row costs one line where the operand's rows start on lines (``*_aligned``,
+    :func:`lines_aligned`), two otherwise; multicast halves the rhs's share."""
+    lhs_lines = self.block_m * (1 if lhs_aligned else 2)
+    rhs_lines = self.block_cols * (1 if rhs_aligned else 2) / self.cluster_rows
+    flop_per_line = self.block_m * self.block_cols / (lhs_lines + rhs_lines)
+    return min(self.throughput, LINE_BOUND * flop_per_line)
 
   def tile_count(self, rows: int, cols: int) -> int:
     """CTA tiles covering a rows x cols result, a repeated odd last row block
@@ -126,11 +137,11 @@ ROW_TILES: tuple[HopperTiles, ...] = (
     HopperTiles(64, 128, num_stages=4, throughput=0.90),          # 64 x 256
     HopperTiles(64, 64, num_stages=8, throughput=0.75),           # 64 x 128
 )
-# The tile rule's factor on a plain tile's time where the rhs's rows do not start on
-# 128-byte lines (:func:`rhs_rows_aligned`), relative to its ``multicast`` twin:
-# every TMA box row then straddles two lines, and multicast halves each SM's
-# share (1.13-1.52 at equal waves on the H100, benchmarks/results/h100.md).
-MISALIGNED_RHS_SLOWDOWN = 1.3
+# HopperTiles.rate's cap per unit of FLOP per operand line, fitted on the H100 where
+# it starts to bind: 128 x 256 over an lhs whose rows miss the lines (64 units) ran
+# at its aligned speed, narrower tiles slower in proportion to their units
+# (benchmarks/results/h100.md, twenty-eighth session).
+LINE_BOUND = TILES.throughput / 64
 # Up to this many rows the forward and dA run on the Triton ladder, faster at
 # M = 128 in 8 of the 10 benchmark GEMMs (notes/h100_notebook.md).
 LADDER_ROWS = 128
@@ -351,14 +362,21 @@ def takes(layout: Layout, rows: int, cols: int, contraction: int) -> bool:
   """Whether :func:`matmul` takes a rows x cols result over ``contraction`` in
   ``layout``: every operand's and the result's minor dimension a multiple of
   ``TMA_PITCH``. Nothing is copied."""
-  lhs_minor = rows if layout is Layout.TN else contraction
+  lhs_minor, _ = _minor_dims(layout, rows, cols, contraction)
   return lhs_minor % TMA_PITCH == 0 and cols % TMA_PITCH == 0
 
 
-def rhs_rows_aligned(layout: Layout, cols: int, contraction: int) -> bool:
-  """Whether each row of the 16-bit rhs starts on a 128-byte line: its minor
-  dimension (cols for NN and TN, the contraction for NT) a multiple of 64."""
-  return (contraction if layout is Layout.NT else cols) % 64 == 0
+def _minor_dims(layout: Layout, rows: int, cols: int, contraction: int) -> tuple[int, int]:
+  """The lhs's and the rhs's minor (contiguous) dimensions."""
+  return (rows if layout is Layout.TN else contraction,
+          contraction if layout is Layout.NT else cols)
+
+
+def lines_aligned(layout: Layout, rows: int, cols: int, contraction: int) -> tuple[bool, bool]:
+  """Whether each row of the 16-bit lhs, and of the rhs, starts on a 128-byte
+  line: its minor dimension a multiple of 64."""
+  lhs_minor, rhs_minor = _minor_dims(layout, rows, cols, contraction)
+  return lhs_minor % 64 == 0, rhs_minor % 64 == 0
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "out_dtype", "tiles"))

@@ -159,30 +159,30 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
       or not mosaic.takes(layout, rows, cols, contraction)):
     return None
   if layout is Layout.TN or rows > mosaic.LADDER_ROWS:
-    tiles = mosaic_row_tiles(rows, cols, device.sm_count,
-                             rhs_aligned=mosaic.rhs_rows_aligned(layout, cols, contraction))
+    lhs_aligned, rhs_aligned = mosaic.lines_aligned(layout, rows, cols, contraction)
+    tiles = mosaic_row_tiles(rows, cols, device.sm_count, lhs_aligned=lhs_aligned,
+                             rhs_aligned=rhs_aligned)
   else:
     tiles = None
   return tiles and pallas_triton.fit_stages(tiles, dtype, out_dtype)
 
 
-def mosaic_row_tiles(rows: int, cols: int, num_sms: int, *,
+def mosaic_row_tiles(rows: int, cols: int, num_sms: int, *, lhs_aligned: bool = True,
                      rhs_aligned: bool = True) -> mosaic.HopperTiles | None:
   """The tile that fits a rows x cols result (``HopperTiles.fits``) with the
-  least estimated time, or None if none fits: a ROW_TILES entry, or where the
-  rhs's rows do not start on 128-byte lines (not ``rhs_aligned``) also its
-  ``multicast`` twin. Estimated time: waves x tile area / throughput, where
-  waves = ceil(CTA tiles / SMs), times ``MISALIGNED_RHS_SLOWDOWN`` for a plain
-  tile over a misaligned rhs. With a fixed K order no program may take part of
-  another's contraction, so the choice is about filling the last wave."""
+  least estimated time, or None if none fits: a ROW_TILES entry, or, where the
+  rhs's rows do not start on 128-byte lines (``rhs_aligned``, see
+  ``hopper_matmul.lines_aligned``), its ``multicast`` twin. Estimated time:
+  waves x tile area / ``HopperTiles.rate``, where waves = ceil(CTA tiles /
+  SMs); ties go to the plain tile. With a fixed K order no program may take part
+  of another's contraction, so the choice is about filling the last wave."""
   candidates = mosaic.ROW_TILES
   if not rhs_aligned:
     candidates += tuple(dataclasses.replace(t, multicast=True) for t in mosaic.ROW_TILES)
 
   def estimated_time(tiles):
     waves = cdiv(tiles.tile_count(rows, cols), num_sms)
-    slowdown = 1 if rhs_aligned or tiles.multicast else mosaic.MISALIGNED_RHS_SLOWDOWN
-    return waves * tiles.block_m * tiles.block_cols / tiles.throughput * slowdown
+    return waves * tiles.block_m * tiles.block_cols / tiles.rate(lhs_aligned, rhs_aligned)
   return min((t for t in candidates if t.fits(rows, cols)), key=estimated_time, default=None)
 
 

@@ -375,15 +375,17 @@ def test_plan_mosaic_row_tile_rule():
   assert _plan(Layout.NN, 4096, 4096, 4096).tiles == pick(4096, 4096)
   assert pick(4096, 192).fits(4096, 192) and pick(4096, 64) is None  # only tiles that fit
   assert not any(pick(m, n).multicast for m in (129, 300, 1000, 4096) for n in (256, 4096))
-  # An rhs whose rows straddle 128-byte lines: multicast twins, unless the repeated
-  # odd row block costs a wave (300 x 3000: 120 plain 64 x 128 tiles, 144 paired).
-  misaligned = lambda rows, cols: matmul_plan.mosaic_row_tiles(rows, cols, num_sms=132,
-                                                                rhs_aligned=False)
+  # Operand rows off the 128-byte lines cap the rate (HopperTiles.rate); an rhs's
+  # tiles get multicast twins, unless the repeated odd row block costs a wave
+  # (300 x 3000: 120 plain 64 x 128 tiles, 144 paired).
+  assert all(t.rate(True, True) == t.throughput for t in hopper.ROW_TILES)
+  misaligned = lambda rows, cols: matmul_plan.mosaic_row_tiles(
+      rows, cols, num_sms=132, lhs_aligned=False, rhs_aligned=False)
   twin = lambda tiles: dataclasses.replace(tiles, multicast=True)
   assert misaligned(300, 1000) == misaligned(1000, 1000) == twin(small)
   assert misaligned(2048, 1000) == twin(square) and misaligned(300, 3000) == small
   assert misaligned(1000, 3000) == misaligned(2048, 3000) == twin(narrow)
-  assert misaligned(4096, 1000) == misaligned(16384, 3000) == twin(big)
+  assert misaligned(4096, 1000) == misaligned(6000, 1000) == misaligned(16384, 3000) == twin(big)
   assert _plan(Layout.NN, 4096, 1000, 3000).tiles == twin(big)
   assert _plan(Layout.NN, 4096, 4096, 1000).tiles == big  # only the rhs's pitch counts
   assert _plan(Layout.NT, 4096, 4096, 1000).tiles == twin(big)
