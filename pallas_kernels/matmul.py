@@ -87,6 +87,7 @@ GPU_MATMUL_LADDER: tuple[MatmulTiles, ...] = (
     MatmulTiles(128, 128, 8, 3, one_wave_stages=5),     # M = 256 with wide results
     MatmulTiles(64, 128, 4, 4, one_wave_stages=8),      # M = 64-256
     MatmulTiles(64, 64, 4, 4, one_wave_stages=10),      # M = 17-64
+    MatmulTiles(16, 128, 4, 4),                         # M <= 16, results >= 16384 wide
     MatmulTiles(16, 64, 4, 5, one_wave_stages=10),      # M <= 16, wide results
     MatmulTiles(16, 32, 4, 6, one_wave_stages=12),      # M <= 16, 4096-column results
 )
