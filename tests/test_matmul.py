@@ -455,7 +455,8 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype):
   if matmul_plan.plan(layout, rows, cols, contraction, dtype=dtype,
                       out_dtype=dtype).kernel is Kernel.MOSAIC_GPU:
     tiles = hopper.ROW_TILES
-    if not hopper.rhs_rows_aligned(layout, cols, contraction):
+    _, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
+    if not rhs_aligned:
       tiles += tuple(_multicast_twins(tiles))
     plans += [matmul_plan.Plan(Kernel.MOSAIC_GPU, kernels.fit_stages(t, dtype, dtype))
               for t in tiles if t.fits(rows, cols)]
