@@ -442,18 +442,19 @@ def _multicast_twins(tiles):
   return [dataclasses.replace(t, multicast=True) for t in tiles]
 
 
-def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype):
+def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, device=None):
   """Every plan the plan could make for a GEMM of these sizes: each Triton ladder
   tile at each stage count, jax-triton where it is installed, and, where the
   Mosaic GPU kernel serves the sizes, each of its tiles, with their multicast
-  twins where the rhs's rows are not 128-byte aligned."""
+  twins where the rhs's rows are not 128-byte aligned. ``device``: the plan's
+  (default: the current one)."""
   plans = [matmul_plan.Plan(Kernel.PALLAS_TRITON, kernels.fit_stages(t, dtype, dtype))
            for t in (_gpu_ladder_configs() if layout is not Layout.TN
                      else [kernels.GPU_AT_B_TILES, *kernels.GPU_MATMUL_LADDER])]
   if importlib.util.find_spec("jax_triton"):
     plans.append(dataclasses.replace(plans[0], kernel=Kernel.JAX_TRITON))
-  if matmul_plan.plan(layout, rows, cols, contraction, dtype=dtype,
-                      out_dtype=dtype).kernel is Kernel.MOSAIC_GPU:
+  if matmul_plan.plan(layout, rows, cols, contraction, dtype=dtype, out_dtype=dtype,
+                      device=device).kernel is Kernel.MOSAIC_GPU:
     tiles = hopper.ROW_TILES
     _, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
     if not rhs_aligned:
@@ -461,6 +462,19 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype):
     plans += [matmul_plan.Plan(Kernel.MOSAIC_GPU, kernels.fit_stages(t, dtype, dtype))
               for t in tiles if t.fits(rows, cols)]
   return plans
+
+
+def test_gpu_envelope_compares_every_plan_the_plan_makes():
+  """The plans the GPU envelope compares (:func:`_every_plan`) include the one
+  plan() makes on an H100 for each layout over a grid of sizes, so the GPU sweep
+  covers every kernel and tile the plan can choose."""
+  for layout in Layout:
+    for rows in (1, 16, 64, 129, 300, 1000, 4096):
+      for cols in (192, 1000, 3000, 4096, 32000):
+        for contraction in (1000, 3000, 4096):
+          chosen = _plan(layout, rows, cols, contraction)
+          assert chosen in _every_plan(layout, rows, cols, contraction, bf16, device=H100), (
+              layout, rows, cols, contraction, chosen)
 
 
 @functools.cache
