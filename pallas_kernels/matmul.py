@@ -81,7 +81,8 @@ class MatmulTiles:
 # launch parameters change with M and N; BLOCK_K and the K order never do.
 # Every entry gave the same bits as every other; the sweeps that chose them are
 # in notes/h100_notebook.md, "GEMM tile sweep" and "deeper pipelines for
-# one-wave grids" (`benchmarks/tune_matmul.py`).
+# one-wave grids" (`benchmarks/tune_matmul.py`), and for 16 x 128 in
+# benchmarks/results/h100.md, twenty-eighth session ("the GEMV").
 GPU_MATMUL_LADDER: tuple[MatmulTiles, ...] = (
     MatmulTiles(128, 256, 8, 3),                        # M >= 1024
     MatmulTiles(128, 128, 8, 3, one_wave_stages=5),     # M = 256 with wide results
