@@ -119,15 +119,15 @@ class HopperTiles:
     return 4 * EPILOGUE_TILE * 128
 
 
-# dB's tile, and the forward/dA tile for large results: strips 8 row-tiles
-# wide, 4 stages, warpgroups split by rows
+# The 128 x 256 tile, the one for large results: strips 8 row-tiles wide,
+# 4 stages, warpgroups split by rows
 # (`benchmarks/tune_matmul.py --hopper-m`; notes/h100_notebook.md, "the Mosaic
 # kernel's config sweep" and the eighth and ninth sessions' sections, which
 # also record the schedules that were not adopted).
 TILES = HopperTiles(split_rows=True, throughput=1.15)
 
-# Forward/dA program tiles, which ``matmul_plan.mosaic_row_tiles`` picks by
-# estimated time. Throughputs from `tune_matmul.py --row-tiles-m` and the scratch sweeps
+# Program tiles of the forward, dA and dB, which ``matmul_plan.mosaic_row_tiles``
+# picks by estimated time. Throughputs from `tune_matmul.py --row-tiles-m` and the scratch sweeps
 # in notes/h100_notebook.md ("the Mosaic kernel's tile picked per result
 # shape", "a 128 x 192 tile"); the rule's misses are listed there.
 ROW_TILES: tuple[HopperTiles, ...] = (
@@ -372,11 +372,15 @@ def _minor_dims(layout: Layout, rows: int, cols: int, contraction: int) -> tuple
           contraction if layout is Layout.NT else cols)
 
 
+# A 128-byte line holds this many 16-bit elements.
+LINE_ELEMENTS = 64
+
+
 def lines_aligned(layout: Layout, rows: int, cols: int, contraction: int) -> tuple[bool, bool]:
   """Whether each row of the 16-bit lhs, and of the rhs, starts on a 128-byte
-  line: its minor dimension a multiple of 64."""
+  line: its minor dimension a multiple of ``LINE_ELEMENTS``."""
   lhs_minor, rhs_minor = _minor_dims(layout, rows, cols, contraction)
-  return lhs_minor % 64 == 0, rhs_minor % 64 == 0
+  return lhs_minor % LINE_ELEMENTS == 0, rhs_minor % LINE_ELEMENTS == 0
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "out_dtype", "tiles"))
