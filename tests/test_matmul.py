@@ -438,8 +438,8 @@ def _gpu_ladder_configs():
           if config.num_stages]
 
 
-def _multicast_twins(tiles):
-  return [dataclasses.replace(t, multicast=True) for t in tiles]
+def _multicast_twins(tiles) -> tuple:
+  return tuple(dataclasses.replace(t, multicast=True) for t in tiles)
 
 
 def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, device=None):
@@ -458,13 +458,13 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
     tiles = hopper.ROW_TILES
     _, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
     if not rhs_aligned:
-      tiles += tuple(_multicast_twins(tiles))
+      tiles += _multicast_twins(tiles)
     plans += [matmul_plan.Plan(Kernel.MOSAIC_GPU, kernels.fit_stages(t, dtype, dtype))
               for t in tiles if t.fits(rows, cols)]
   return plans
 
 
-def test_gpu_envelope_compares_every_plan_the_plan_makes():
+def test_envelope_plan_list_holds_every_plan_choice():
   """The plans the GPU envelope compares (:func:`_every_plan`) include the one
   plan() makes on an H100 for each layout over a grid of sizes, so the GPU sweep
   covers every kernel and tile the plan can choose."""
