@@ -425,7 +425,7 @@ def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
               (Layout.NT, (999, 1000), (3000, 1000)), (Layout.TN, (304, 1024), (304, 1000)),
               (Layout.TN, (301, 1000), (301, 1024))]
   for layout, lhs, rhs in operands:
-    for tiles in (*hopper.ROW_TILES, *_multicast_twins(hopper.ROW_TILES)):
+    for tiles in matmul_plan.mosaic_tile_candidates(rhs_aligned=False):
       tiles = kernels.fit_stages(tiles, bf16, bf16)
       gemm = functools.partial(hopper.matmul, layout=layout, out_dtype=bf16, tiles=tiles)
       jax.jit(gemm).trace(sd(lhs, bf16), sd(rhs, bf16)).lower(lowering_platforms=("cuda",))
@@ -438,16 +438,12 @@ def _gpu_ladder_configs():
           if config.num_stages]
 
 
-def _multicast_twins(tiles) -> tuple:
-  return tuple(dataclasses.replace(t, multicast=True) for t in tiles)
-
-
 def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, device=None):
   """Every plan the plan could make for a GEMM of these sizes: each Triton ladder
   tile at each stage count, jax-triton where it is installed, and, where the
-  Mosaic GPU kernel serves the sizes, each of its tiles, with their multicast
-  twins where the rhs's rows are not 128-byte aligned. ``device``: the plan's
-  (default: the current one)."""
+  Mosaic GPU kernel serves the sizes, each of its candidate tiles
+  (``matmul_plan.mosaic_tile_candidates``). ``device``: the plan's (default:
+  the current one)."""
   plans = [matmul_plan.Plan(Kernel.PALLAS_TRITON, kernels.fit_stages(t, dtype, dtype))
            for t in (_gpu_ladder_configs() if layout is not Layout.TN
                      else [kernels.GPU_AT_B_TILES, *kernels.GPU_MATMUL_LADDER])]
@@ -455,12 +451,9 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
     plans.append(dataclasses.replace(plans[0], kernel=Kernel.JAX_TRITON))
   if matmul_plan.plan(layout, rows, cols, contraction, dtype=dtype, out_dtype=dtype,
                       device=device).kernel is Kernel.MOSAIC_GPU:
-    tiles = hopper.ROW_TILES
     _, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
-    if not rhs_aligned:
-      tiles += _multicast_twins(tiles)
     plans += [matmul_plan.Plan(Kernel.MOSAIC_GPU, kernels.fit_stages(t, dtype, dtype))
-              for t in tiles if t.fits(rows, cols)]
+              for t in matmul_plan.mosaic_tile_candidates(rhs_aligned) if t.fits(rows, cols)]
   return plans
 
 
