@@ -74,27 +74,34 @@ class MatmulTiles:
 
 # Forward / dA tiles on the GPU, largest first. Up to GPU_ONE_ROW_OF_TILES rows
 # the plan keeps to the smallest block_m that holds every row (one row of
-# tiles, so B streams from memory once); above, it considers them all. It takes
-# the first tile whose grid has at least GPU_MIN_PROGRAMS programs (about one
-# wave on the H100's 132 SMs), else the last candidate, and gives it
-# ``one_wave_stages`` when the grid is a single wave. Only tile shape and
-# launch parameters change with M and N; BLOCK_K and the K order never do.
-# Every entry gave the same bits as every other; the sweeps that chose them are
-# in notes/h100_notebook.md, "GEMM tile sweep" and "deeper pipelines for
-# one-wave grids" (`benchmarks/tune_matmul.py`), and for 16 x 128 in
-# benchmarks/results/h100.md, twenty-eighth session ("the GEMV").
+# tiles, so B streams from memory once); above, it considers them all. Among
+# those it takes the least estimated time (``matmul_plan.triton_tiles``), and
+# gives the tile ``one_wave_stages`` when its grid is a single wave. Only tile
+# shape and launch parameters change with M and N; BLOCK_K and the K order
+# never do. Every entry gave the same bits as every other; the sweeps that chose
+# them are in notes/h100_notebook.md, "GEMM tile sweep" and "deeper pipelines
+# for one-wave grids" (`benchmarks/tune_matmul.py`), and in
+# benchmarks/results/h100.md, twenty-eighth session ("the GEMV": 16 x 128) and
+# twenty-ninth ("the Triton ladder's rule": 64 x 32, 16 x 16 and the rule).
 GPU_MATMUL_LADDER: tuple[MatmulTiles, ...] = (
     MatmulTiles(128, 256, 8, 3),                        # M >= 1024
     MatmulTiles(128, 128, 8, 3, one_wave_stages=5),     # M = 256 with wide results
     MatmulTiles(64, 128, 4, 4, one_wave_stages=8),      # M = 64-256
-    MatmulTiles(64, 64, 4, 4, one_wave_stages=10),      # M = 17-64
-    MatmulTiles(16, 128, 4, 4),                         # M <= 16, results >= 16384 wide
+    MatmulTiles(64, 64, 4, 4, one_wave_stages=10),      # M = 17-128
+    MatmulTiles(64, 32, 4, 6, one_wave_stages=10),      # M = 17-128, narrow results
+    MatmulTiles(16, 128, 4, 4, one_wave_stages=6),      # M <= 16, results >= 10240 wide
     MatmulTiles(16, 64, 4, 5, one_wave_stages=10),      # M <= 16, wide results
     MatmulTiles(16, 32, 4, 6, one_wave_stages=12),      # M <= 16, 4096-column results
+    MatmulTiles(16, 16, 2, 10),                         # M <= 16, narrow results
 )
-GPU_MIN_PROGRAMS = 128
 GPU_ONE_WAVE = 132  # the H100's SM count
 GPU_ONE_ROW_OF_TILES = 64  # up to this many rows, one row of tiles holds them all
+# What a program costs beyond its operand rows, in the rule's unit (one operand
+# row per BLOCK_K step). Fitted on the H100 ladder sweep (twenty-ninth session):
+# values from 16 to 64 make the same picks on every measured shape but a 16-row
+# GEMM 18944 wide, where from 48 up the rule takes two waves of 16 x 128 over
+# three of 16 x 64 (5% faster).
+GPU_PROGRAM_OVERHEAD = 64
 
 # dB = Aᵀ @ D tiles on the GPU: the output is [K, N], so they never depend on the
 # row count (`tune_matmul.py --at-b`; notes/h100_notebook.md, "GEMM tile sweep").

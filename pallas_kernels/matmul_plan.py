@@ -128,10 +128,12 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype) -> Matm
   dB's result is [K, N] of the weight: its tile never sees the token count.
   For the forward and dA: up to GPU_ONE_ROW_OF_TILES rows, the smallest
   block_m that holds every row (one row of tiles, so the weight streams from
-  memory once); above, any ladder tile. The first tile whose grid has at least
-  GPU_MIN_PROGRAMS programs (about a wave), else the last candidate, with its
-  ``one_wave_stages`` when the grid is a single wave; stages fitted to shared
-  memory.
+  memory once); above, any ladder tile. Of those, the least estimated time:
+  waves x (block_m + block_n + GPU_PROGRAM_OVERHEAD), where waves = ceil(programs
+  / GPU_ONE_WAVE) and a program's time is its operand rows per contraction step
+  (the few-row GEMMs these tiles serve stream their operands; ties go to the
+  larger tile). The tile takes its ``one_wave_stages`` when the grid is a single
+  wave; stages are fitted to shared memory.
   """
   if layout is Layout.TN:
     return pallas_triton.fit_stages(pallas_triton.GPU_AT_B_TILES, dtype, out_dtype)
@@ -140,12 +142,14 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype) -> Matm
     block_m = min(t.block_m for t in candidates if t.block_m >= rows)
     candidates = tuple(t for t in candidates if t.block_m == block_m)
 
-  def programs(tiles):
-    return cdiv(rows, tiles.block_m) * cdiv(cols, tiles.block_n)
+  def waves(tiles):
+    return cdiv(cdiv(rows, tiles.block_m) * cdiv(cols, tiles.block_n), pallas_triton.GPU_ONE_WAVE)
 
-  tiles = next((t for t in candidates if programs(t) >= pallas_triton.GPU_MIN_PROGRAMS),
-               candidates[-1])
-  if tiles.one_wave_stages and programs(tiles) <= pallas_triton.GPU_ONE_WAVE:
+  def estimated_time(tiles):
+    return waves(tiles) * (tiles.block_m + tiles.block_n + pallas_triton.GPU_PROGRAM_OVERHEAD)
+
+  tiles = min(candidates, key=estimated_time)
+  if tiles.one_wave_stages and waves(tiles) == 1:
     tiles = dataclasses.replace(tiles, num_stages=tiles.one_wave_stages)
   return pallas_triton.fit_stages(tiles, dtype, out_dtype)
 

@@ -362,6 +362,25 @@ def test_plan_triton_tile_rule():
       assert _plan(Layout.TN, m, n, 64, groups=2).tiles == kernels.GPU_AT_B_TILES
 
 
+def test_plan_triton_ladder_picks():
+  """The Triton ladder rule (matmul_plan.triton_tiles) makes the picks the H100
+  sweeps found fastest (benchmarks/results/h100.md, twenty-ninth session): more,
+  narrower programs where the grid would not fill a wave, fewer waves of wide
+  ones on wide results, and deep pipelines for one-wave grids."""
+  pick = lambda rows, cols, layout=Layout.NN: (lambda t: (
+      t.block_m, t.block_n, t.num_warps, t.num_stages))(_plan(layout, rows, cols, 2048).tiles)
+  assert pick(16, 1536) == pick(1, 2050) == (16, 16, 2, 10)    # 96 / 129 programs
+  assert pick(16, 4096) == (16, 32, 4, 12)                     # 128 programs, one wave
+  assert pick(16, 5120) == pick(16, 6144) == (16, 64, 4, 10)   # 80 / 96 programs
+  assert pick(16, 10240) == (16, 128, 4, 6)                    # 80 programs
+  assert pick(16, 18944) == pick(16, 57344) == (16, 128, 4, 4)  # 2 / 4 waves
+  assert pick(64, 1536) == pick(100, 2050) == (64, 32, 4, 10)  # 48 / 130 programs
+  assert pick(64, 5120) == pick(100, 4096) == (64, 64, 4, 10)  # 80 / 128 programs
+  assert pick(100, 5120, Layout.NT) == (64, 128, 4, 8)         # 80 programs
+  assert pick(100, 28672) == (128, 256, 8, 3)
+  assert pick(2048, 4100, Layout.NT) == (128, 128, 8, 3)       # a Triton-only pitch
+
+
 def test_plan_mosaic_row_tile_rule():
   """The Mosaic kernel's tile rule (132 SMs): the picks the H100 sweeps found
   fastest."""
