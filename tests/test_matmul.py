@@ -353,7 +353,7 @@ def test_plan_triton_tile_rule():
   for m in (1, 5, 16, 17, 64, 65, 128, 256, 1000, 4096):
     for n in (1, 100, 1000, 4096, 12288, 32000):
       half = _plan(Layout.NN, m, n, 64, groups=2).tiles
-      single = _plan(Layout.NN, m, n, 64, f32).tiles
+      single = _plan(Layout.NN, m, n, 64, f32, groups=2).tiles
       assert launch_params(half) in configs, (m, n, half)
       assert (launch_params(single)[:3] == launch_params(half)[:3]
               and single.num_stages <= half.num_stages)
@@ -379,6 +379,10 @@ def test_plan_triton_ladder_picks():
   assert pick(100, 5120, Layout.NT) == (64, 128, 4, 8)         # 80 programs
   assert pick(100, 28672) == (128, 256, 8, 3)
   assert pick(2048, 4100, Layout.NT) == (128, 128, 8, 3)       # a Triton-only pitch
+  # A grouped GEMM's grid holds every group's programs: 64 experts' 16-row GEMMs
+  # fill 6 waves with 16 x 128 tiles, where one alone takes 16 x 16.
+  grouped = _plan(Layout.NN, 16, 1536, 2048, groups=64).tiles
+  assert (grouped.block_m, grouped.block_n, grouped.num_stages) == (16, 128, 4)
 
 
 def test_plan_mosaic_row_tile_rule():
