@@ -10,6 +10,7 @@ choose (Triton tiles, and the Mosaic GPU kernel on an H100).
 import dataclasses
 import functools
 import importlib.util
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -483,14 +484,14 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
 def test_envelope_plan_list_holds_every_plan_choice():
   """The plans the GPU envelope compares (:func:`_every_plan`) include the one
   plan() makes on an H100 for each layout over a grid of sizes, so the GPU sweep
-  covers every kernel and tile the plan can choose."""
-  for layout in Layout:
+  covers every kernel and tile the plan can choose, grouped GEMMs' included."""
+  for layout, groups in itertools.product(Layout, (1, 8)):
     for rows in (1, 16, 64, 129, 300, 1000, 4096):
       for cols in (192, 1000, 3000, 4096, 32000):
         for contraction in (1000, 3000, 4096):
-          chosen = _plan(layout, rows, cols, contraction)
+          chosen = _plan(layout, rows, cols, contraction, groups=groups)
           assert chosen in _every_plan(layout, rows, cols, contraction, bf16, device=H100), (
-              layout, rows, cols, contraction, chosen)
+              layout, groups, rows, cols, contraction, chosen)
 
 
 @functools.cache
