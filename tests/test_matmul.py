@@ -367,9 +367,12 @@ def test_plan_triton_ladder_picks():
   """The Triton ladder rule (matmul_plan.triton_tiles) makes the picks the H100
   sweeps found fastest (benchmarks/results/h100.md, twenty-ninth session): more,
   narrower programs where the grid would not fill a wave, fewer waves of wide
-  ones on wide results, and deep pipelines for one-wave grids."""
-  pick = lambda rows, cols, layout=Layout.NN: (lambda t: (
-      t.block_m, t.block_n, t.num_warps, t.num_stages))(_plan(layout, rows, cols, 2048).tiles)
+  ones on wide results, and deep pipelines for one-wave grids. A grouped GEMM
+  counts every group's programs (not yet timed on the GPU)."""
+  def pick(rows, cols, layout=Layout.NN, groups=1):
+    tiles = _plan(layout, rows, cols, 2048, groups=groups).tiles
+    return tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages
+
   assert pick(16, 1536) == pick(1, 2050) == (16, 16, 2, 10)    # 96 / 129 programs
   assert pick(16, 4096) == (16, 32, 4, 12)                     # 128 programs, one wave
   assert pick(16, 5120) == pick(16, 6144) == (16, 64, 4, 10)   # 80 / 96 programs
@@ -380,10 +383,8 @@ def test_plan_triton_ladder_picks():
   assert pick(100, 5120, Layout.NT) == (64, 128, 4, 8)         # 80 programs
   assert pick(100, 28672) == (128, 256, 8, 3)
   assert pick(2048, 4100, Layout.NT) == (128, 128, 8, 3)       # a Triton-only pitch
-  # A grouped GEMM's grid holds every group's programs: 64 experts' 16-row GEMMs
-  # fill 6 waves with 16 x 128 tiles, where one alone takes 16 x 16.
-  grouped = _plan(Layout.NN, 16, 1536, 2048, groups=64).tiles
-  assert (grouped.block_m, grouped.block_n, grouped.num_stages) == (16, 128, 4)
+  # 64 experts' 16-row GEMMs fill 6 waves with 16 x 128 tiles; one alone takes 16 x 16.
+  assert pick(16, 1536, groups=64) == (16, 128, 4, 4)
 
 
 def test_plan_mosaic_row_tile_rule():
