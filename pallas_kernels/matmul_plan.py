@@ -110,7 +110,8 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
     return Plan(Kernel.PALLAS_TRITON, pallas_triton.INTERPRET_TILES, interpret=True,
                 contraction_chunk=contraction_chunk)
   device = device or Device.current()
-  ladder_tiles = triton_tiles(layout, rows, cols, dtype, out_dtype, groups)
+  ladder_tiles = triton_tiles(layout, rows, cols, dtype, out_dtype, groups,
+                              device.sm_count or pallas_triton.GPU_ONE_WAVE)
   if contraction_chunk is not None:
     return Plan(Kernel.PALLAS_TRITON, ladder_tiles, contraction_chunk=contraction_chunk)
   if backend == "triton":
@@ -122,17 +123,17 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   return Plan(Kernel.PALLAS_TRITON, ladder_tiles)
 
 
-def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype,
-                 groups: int = 1) -> MatmulTiles:
+def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups: int = 1,
+                 num_sms: int = pallas_triton.GPU_ONE_WAVE) -> MatmulTiles:
   """The Triton kernels' GPU tiles (pallas_kernels.matmul's tables) for ``groups``
-  GEMMs of a [rows, cols] result.
+  GEMMs of a [rows, cols] result on a GPU of ``num_sms`` SMs.
 
   dB's result is [K, N] of the weight: its tile never sees the token count.
   For the forward and dA: up to GPU_ONE_ROW_OF_TILES rows, the smallest
   block_m that holds every row (one row of tiles, so the weight streams from
   memory once); above, any ladder tile. Of those, the least estimated time:
   waves x (block_m + block_n + GPU_PROGRAM_OVERHEAD), where waves = ceil(the
-  programs of all groups / GPU_ONE_WAVE) and a program's time is its operand
+  programs of all groups / num_sms) and a program's time is its operand
   rows per contraction step (the few-row GEMMs these tiles serve stream their
   operands; ties go to the larger tile). The tile takes its ``one_wave_stages``
   when the grid is a single wave; stages are fitted to shared memory.
@@ -146,7 +147,7 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype,
 
   def waves(tiles):
     programs = groups * cdiv(rows, tiles.block_m) * cdiv(cols, tiles.block_n)
-    return cdiv(programs, pallas_triton.GPU_ONE_WAVE)
+    return cdiv(programs, num_sms)
 
   def estimated_time(tiles):
     return waves(tiles) * (tiles.block_m + tiles.block_n + pallas_triton.GPU_PROGRAM_OVERHEAD)

@@ -385,6 +385,9 @@ def test_plan_triton_ladder_picks():
   assert pick(2048, 4100, Layout.NT) == (128, 128, 8, 3)       # a Triton-only pitch
   # 64 experts' 16-row GEMMs fill 6 waves with 16 x 128 tiles; one alone takes 16 x 16.
   assert pick(16, 1536, groups=64) == (16, 128, 4, 4)
+  # Waves are the device's: 128 programs of 16 x 32 are two waves on 108 SMs.
+  on_108_sms = _plan(Layout.NN, 16, 4096, 2048, device=matmul_plan.Device("gpu", "8.0", 108))
+  assert (on_108_sms.tiles.block_n, on_108_sms.tiles.num_stages) == (64, 10)
 
 
 def test_plan_mosaic_row_tile_rule():
