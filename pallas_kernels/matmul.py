@@ -94,7 +94,7 @@ GPU_MATMUL_LADDER: tuple[MatmulTiles, ...] = (
     MatmulTiles(16, 32, 4, 6, one_wave_stages=12),      # M <= 16, 4096-column results
     MatmulTiles(16, 16, 2, 10),                         # M <= 16, narrow results
 )
-GPU_ONE_WAVE = 132  # the H100's SM count: the tile rule's wave where the device reports none
+H100_SM_COUNT = 132  # the tile rule's SM count where the device reports none
 GPU_ONE_ROW_OF_TILES = 64  # up to this many rows, one row of tiles holds them all
 # What a program costs beyond its operand rows, in the rule's unit (one operand
 # row per BLOCK_K step). Fitted on the H100 ladder sweep (twenty-ninth session):

@@ -111,7 +111,7 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
                 contraction_chunk=contraction_chunk)
   device = device or Device.current()
   ladder_tiles = triton_tiles(layout, rows, cols, dtype, out_dtype, groups,
-                              device.sm_count or pallas_triton.GPU_ONE_WAVE)
+                              device.sm_count or pallas_triton.H100_SM_COUNT)
   if contraction_chunk is not None:
     return Plan(Kernel.PALLAS_TRITON, ladder_tiles, contraction_chunk=contraction_chunk)
   if backend == "triton":
@@ -124,7 +124,7 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
 
 
 def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups: int = 1,
-                 num_sms: int = pallas_triton.GPU_ONE_WAVE) -> MatmulTiles:
+                 num_sms: int = pallas_triton.H100_SM_COUNT) -> MatmulTiles:
   """The Triton kernels' GPU tiles (pallas_kernels.matmul's tables) for ``groups``
   GEMMs of a [rows, cols] result on a GPU of ``num_sms`` SMs.
 
