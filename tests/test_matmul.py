@@ -237,7 +237,6 @@ def test_precision_and_dtype_spellings():
   assert jdet.matmul(a, b, preferred_element_type="bfloat16").dtype == jnp.bfloat16
 
 
-BENCHMARK_KN = ((4096, 4096), (4096, 12288), (4096, 14336), (14336, 4096), (4096, 32000))
 GPU_SWEEP_ROWS = 16411  # odd, past the largest benchmark M
 
 
@@ -510,7 +509,11 @@ def _plans_taken(rows_limit: int, cols: int, contraction: int, layout) -> dict:
 
 # Weights at which the envelope compares every plan the plan could make, not only
 # those it takes for that weight: aligned, unaligned K and N, and 64 columns.
-EVERY_PLAN_KN = ((4096, 4096), (1000, 3000), (3000, 1000), (64, 192))
+EVERY_PLAN_KN = ((4096, 4096), (1000, 3000), (64, 192))
+# And the weights at which it compares the plans jdet.matmul takes: the mirrored
+# unaligned weight, a long contraction, a wide and a 64-misaligned result, few columns.
+ENVELOPE_KN = EVERY_PLAN_KN + ((3000, 1000), (14336, 4096), (4096, 32000), (5120, 13824),
+                               (192, 320))
 
 
 def _gpu_every_kernel_agrees(k, n, dtype=jnp.bfloat16):
@@ -543,8 +546,7 @@ def _gpu_every_kernel_agrees(k, n, dtype=jnp.bfloat16):
 
 @pytest.mark.gpu
 @pytest.mark.long
-@pytest.mark.parametrize("k,n", BENCHMARK_KN + ((1000, 3000), (3000, 1000), (5120, 13824),
-                                                (64, 192), (192, 320)))
+@pytest.mark.parametrize("k,n", ENVELOPE_KN)
 def test_gpu_invariance_envelope_every_kernel(k, n):
   """Every kernel and tile the plan can choose gives the same bits at full size,
   forward, dA and dB, and every plan jdet.matmul takes for M from 1 to 16411 gives
