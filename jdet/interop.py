@@ -78,7 +78,9 @@ def torch_matmul(a, b, *, precision: lax.Precision | None = None, out_dtype=None
   weight = b.to(compute_dtype).contiguous()
   as_jax = {torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16,
             torch.float32: jnp.float32}
-  tiles = matmul_plan.triton_tiles(Layout.NN, m, n, as_jax[compute_dtype], as_jax[out_dtype])
+  num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+  tiles = matmul_plan.triton_tiles(Layout.NN, m, n, as_jax[compute_dtype], as_jax[out_dtype],
+                                   num_sms=num_sms)
   grid, params = triton_matmul.matmul_launch(
       1, m, n, k, transpose_b=False, shared_b=True, tiles=tiles, precision=precision)
   triton_matmul.matmul_kernel[grid](rows, weight, out, num_warps=tiles.num_warps,
