@@ -511,9 +511,8 @@ def _plans_taken(rows_limit: int, cols: int, contraction: int, layout) -> dict:
 # those it takes for that weight: aligned, unaligned K and N, and 64 columns.
 EVERY_PLAN_KN = ((4096, 4096), (1000, 3000), (64, 192))
 # And the weights at which it compares the plans jdet.matmul takes: the mirrored
-# unaligned weight, a long contraction, a wide and a 64-misaligned result, few columns.
-ENVELOPE_KN = EVERY_PLAN_KN + ((3000, 1000), (14336, 4096), (4096, 32000), (5120, 13824),
-                               (192, 320))
+# unaligned weight, a long contraction, a 64-misaligned result, few columns.
+ENVELOPE_KN = EVERY_PLAN_KN + ((3000, 1000), (14336, 4096), (5120, 13824), (192, 320))
 
 
 def _gpu_every_kernel_agrees(k, n, dtype=jnp.bfloat16):

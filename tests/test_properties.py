@@ -12,7 +12,7 @@ import pytest
 
 from jdet._registry import OPS
 
-CPU_CASES, GPU_CASES = 2, 16
+CPU_CASES, GPU_CASES = 2, 10
 
 
 @pytest.mark.parametrize("op", sorted(OPS))

@@ -245,7 +245,7 @@ def test_gpu_invariance_and_accuracy_at_scale(n, init):
   fn = _all_passes(20, init)
   x, g = _logits(61, (total, n, n), spread=24.0), _cotangent(62, (total, n, n))
   full = fn(x, g)
-  for size in (1, 7, 65536):
+  for size in (1, 65536):
     for start in (0, total - size):
       part = fn(x[start:start + size], g[start:start + size])
       assert_bitwise_equal(part, jax.tree.map(lambda y: y[start:start + size], full),
