@@ -50,18 +50,33 @@ def count_operand(count: int):
   return pl.BlockSpec((1,), lambda *_: (0,)), jnp.full((1,), count, jnp.int32)
 
 
+def counted_call(kernel, *, count: int, in_specs, input_output_aliases=None, **params):
+  """``pl.pallas_call`` of ``kernel(count_ref, *refs)`` with ``count`` an operand
+  (the kernel reads ``count_ref[0]``) rather than a constant, so that the compiled
+  kernel is the same for every count whose grid (``params["grid"]``, sized by the
+  caller with :func:`bucketed_grid` on the axis that grows with the count) is the
+  same. The kernel masks or skips what lies past the count itself. ``in_specs``
+  and ``input_output_aliases`` are those of the inputs; ``params`` go to
+  ``pl.pallas_call``. Returns a function of the inputs."""
+  count_spec, count_array = count_operand(count)
+  call = pl.pallas_call(
+      kernel,
+      in_specs=[count_spec, *in_specs],
+      input_output_aliases={i + 1: o for i, o in (input_output_aliases or {}).items()},
+      **params)
+  return lambda *inputs: call(count_array, *inputs)
+
+
 def counted_rows_call(kernel, *, rows: int, block_rows: int, in_specs, out_specs, out_shape,
                       input_output_aliases=None, **params):
-  """``pl.pallas_call`` of ``kernel`` over blocks of ``block_rows`` rows (grid axis
-  0) of a ``rows``-row batch, with the row count an operand rather than a constant,
-  so that the compiled kernel is the same for every count of a bucket
-  (:func:`bucketed_grid`). ``kernel(*refs, valid=...)`` gets its block's
-  [block_rows] row mask and masks its loads and stores with it; programs past the
-  count return at once. Every block carries the mask, whatever the count: a kernel
-  whose code changed with the count could round differently (interpret mode showed
-  it, XLA:CPU contracting multiply-adds differently in masked and unmasked code).
-  ``in_specs`` and ``input_output_aliases`` are those of the inputs; ``params`` go
-  to ``pl.pallas_call``. Returns a function of the inputs."""
+  """:func:`counted_call` of ``kernel`` over blocks of ``block_rows`` rows (grid
+  axis 0, :func:`bucketed_grid` of the blocks) of a ``rows``-row batch, so that
+  the compiled kernel is the same for every count of a bucket.
+  ``kernel(*refs, valid=...)`` gets its block's [block_rows] row mask and masks
+  its loads and stores with it; programs past the count return at once. Every
+  block carries the mask, whatever the count: a kernel whose code changed with
+  the count could round differently (interpret mode showed it, XLA:CPU
+  contracting multiply-adds differently in masked and unmasked code)."""
   def counted(count_ref, *refs):
     first = pl.program_id(0) * block_rows
     valid = block_mask(first, block_rows, count_ref[0])
@@ -70,16 +85,29 @@ def counted_rows_call(kernel, *, rows: int, block_rows: int, in_specs, out_specs
     def _():
       kernel(*refs, valid=valid)
 
-  count_spec, count = count_operand(rows)
-  call = pl.pallas_call(
-      counted,
-      grid=(bucketed_grid(cdiv(rows, block_rows)),),
-      in_specs=[count_spec, *in_specs],
-      out_specs=out_specs,
-      out_shape=out_shape,
-      input_output_aliases={i + 1: o for i, o in (input_output_aliases or {}).items()},
-      **params)
-  return lambda *inputs: call(count, *inputs)
+  return counted_call(counted, count=rows, in_specs=in_specs, out_specs=out_specs,
+                      out_shape=out_shape, input_output_aliases=input_output_aliases,
+                      grid=(bucketed_grid(cdiv(rows, block_rows)),), **params)
+
+
+def counted_axis_call(kernel, *, count: int, axis: int, grid: tuple[int, ...], **params):
+  """:func:`counted_call` of ``kernel`` over ``grid``, whose axis ``axis`` has a
+  program per item of a ``count``-item batch (sequences, say): that axis
+  becomes :func:`bucketed_grid` ``(count)`` long and its programs past the
+  count return at once, so every count of a bucket runs the same compiled
+  kernel. ``kernel(*refs, program_ids=...)`` gets the program's grid indices,
+  read before that test (Pallas interpret mode cannot read them inside one).
+  ``params`` (specs, shapes, options) go to :func:`counted_call`."""
+  grid = tuple(bucketed_grid(count) if a == axis else size for a, size in enumerate(grid))
+
+  def counted(count_ref, *refs):
+    program_ids = tuple(pl.program_id(a) for a in range(len(grid)))
+
+    @pl.when(program_ids[axis] < count_ref[0])
+    def _():
+      kernel(*refs, program_ids=program_ids)
+
+  return counted_call(counted, count=count, grid=grid, **params)
 
 
 def pad_axis(x: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -395,6 +423,8 @@ __all__ = [
     "bucketed_grid",
     "clear_interpret_executables",
     "count_operand",
+    "counted_axis_call",
+    "counted_call",
     "counted_rows_call",
     "cdiv",
     "compiler_params",

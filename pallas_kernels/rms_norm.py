@@ -52,7 +52,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 from pallas_kernels._common import (block_mask, bucketed_grid, cdiv, compiler_params,
-                                    count_operand, counted_rows_call, launcher, load_block,
+                                    counted_call, counted_rows_call, launcher, load_block,
                                     pairwise_sums_for, product, row_sum, store_block)
 
 
@@ -390,15 +390,15 @@ def rms_norm_backward(x, weight, rstd, g, g_sum=None, *, tiles: RmsNormTiles,
                              native=not interpret)
   dx, partials = _row_call(kernel, inputs, outputs, tiles=tiles, rows=tiles.chunk_rows,
                            interpret=interpret, name="jdet_rms_norm_dx")
-  count_spec, count = count_operand(chunks)
-  dw = pl.pallas_call(
+  dw = counted_call(
       functools.partial(rms_norm_dweight_sum_kernel, h=h, row_step=step),
+      count=chunks,
       grid=(cdiv(h, bc),),
-      in_specs=[count_spec, pl.BlockSpec((partial_rows, bc), lambda j: (0, j))],
+      in_specs=[pl.BlockSpec((partial_rows, bc), lambda j: (0, j))],
       out_specs=pl.BlockSpec((bc,), lambda j: (j,)),
       out_shape=jax.ShapeDtypeStruct((h,), weight.dtype),
       compiler_params=compiler_params(sum_tiles.num_warps, sum_tiles.num_stages),
       interpret=interpret,
       name="jdet_rms_norm_dweight",
-  )(count, partials)
+  )(partials)
   return dx, dw
