@@ -62,6 +62,12 @@ the row sits in its tile):
     instruction and layout for both. Float32 dots are IEEE (precision
     HIGHEST, FMAs in increasing k), never TF32.
 
+Every Triton kernel runs on a grid (programs along the query rows or keys,
+sequences, kv heads) whose sequence axis is bucketed, with the sequence count an
+operand (``_common.counted_axis_call``; a kernel reads its grid position from
+``program_ids``): a decode step at any batch size of a bucket runs the same
+compiled kernels.
+
 Kernels:
   * :func:`attention_forward_kernel` - prefill: all chunks of a row tile. On
     an H100 a large prefill runs instead on the Mosaic GPU kernel of
@@ -90,9 +96,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from pallas_kernels._common import (block_mask, cdiv, compiler_params, divide, dot_f32, launcher,
-                                    load_block, log2_approx, lookup_tiles, multiply,
-                                    multiply_add, store_block, uncontracted)
+from pallas_kernels._common import (block_mask, cdiv, compiler_params, counted_axis_call,
+                                    divide, dot_f32, launcher, load_block, log2_approx,
+                                    lookup_tiles, multiply, multiply_add, store_block,
+                                    uncontracted)
 from pallas_kernels.matmul_plan import Device
 
 LOG2E = math.log2(math.e)
@@ -435,7 +442,7 @@ def _tile_setup(lens_ref, offs_ref, q_ref, row_tile, st: _Static):
 
 
 def attention_forward_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
-                             st: _Static):
+                             st: _Static, program_ids: tuple):
   """Prefill: one tile of packed rows against every chunk it may see.
 
   lens_ref, offs_ref: [1] int32 (this sequence's valid keys, first query's
@@ -444,7 +451,7 @@ def attention_forward_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, o_ref, lse
   """
   tiles = st.tiles
   q, rows_ok, row_pos, key_limit, bound, clear_end = _tile_setup(
-      lens_ref, offs_ref, q_ref, pl.program_id(0), st)
+      lens_ref, offs_ref, q_ref, program_ids[0], st)
   blocks_per_chunk = tiles.chunk_k // tiles.block_k
   num_blocks = (bound + tiles.block_k - 1) // tiles.block_k
 
@@ -475,7 +482,7 @@ def _load_rows(ref, rows_ok, other):
 
 
 def attention_split_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, m_ref, l_ref, acc_ref, *,
-                           st: _Static, row_tiles: int):
+                           st: _Static, program_ids: tuple, row_tiles: int):
   """Decode: one chunk of ``chunk_k`` keys for one tile of packed rows.
 
   k_ref, v_ref: [chunk_k, W], keys c * chunk_k ...; m_ref, l_ref: [block_q];
@@ -483,9 +490,9 @@ def attention_split_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, m_ref, l_ref
   stores (-inf, 0, 0)).
   """
   tiles = st.tiles
-  c = pl.program_id(0) // row_tiles
+  c = program_ids[0] // row_tiles
   q, rows_ok, row_pos, key_limit, bound, clear_end = _tile_setup(
-      lens_ref, offs_ref, q_ref, pl.program_id(0) % row_tiles, st)
+      lens_ref, offs_ref, q_ref, program_ids[0] % row_tiles, st)
   base = c * tiles.chunk_k
   end = jnp.clip((bound - base + tiles.block_k - 1) // tiles.block_k, 0,
                  tiles.chunk_k // tiles.block_k)
@@ -498,7 +505,7 @@ def attention_split_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, m_ref, l_ref
 
 
 def attention_combine_kernel(lens_ref, offs_ref, m_ref, l_ref, acc_ref, o_ref, lse_ref, *,
-                             st: _Static, col_tiles: int):
+                             st: _Static, program_ids: tuple, col_tiles: int):
   """Merges the split kernel's chunk states in increasing chunk order, for one
   tile of packed rows and ``combine_cols`` of their columns (the merge is
   elementwise: any tiling gives the same bits; each column tile recomputes the
@@ -512,7 +519,7 @@ def attention_combine_kernel(lens_ref, offs_ref, m_ref, l_ref, acc_ref, o_ref, l
   """
   tiles = st.tiles
   bq, cols = tiles.block_q, acc_ref.shape[-1]
-  row_tile, col_tile = pl.program_id(0) // col_tiles, pl.program_id(0) % col_tiles
+  row_tile, col_tile = program_ids[0] // col_tiles, program_ids[0] % col_tiles
   row_start = row_tile * bq
   offset = offs_ref[0]
   rows_ok = block_mask(row_start, bq, st.rows) if st.rows % bq else None
@@ -559,10 +566,10 @@ def attention_combine_kernel(lens_ref, offs_ref, m_ref, l_ref, acc_ref, o_ref, l
 # Backward.
 
 
-def attention_delta_kernel(o_ref, do_ref, delta_ref, *, st: _Static):
+def attention_delta_kernel(o_ref, do_ref, delta_ref, *, st: _Static, program_ids: tuple):
   """delta = rowsum(out * dout) in float32 for ``bwd_block_q`` packed rows."""
   bq = st.tiles.bwd_block_q
-  rows_ok = block_mask(pl.program_id(0) * bq, bq, st.rows) if st.rows % bq else None
+  rows_ok = block_mask(program_ids[0] * bq, bq, st.rows) if st.rows % bq else None
   o = load_block(o_ref, rows=rows_ok, cols=st.head_cols).astype(jnp.float32)
   do = load_block(do_ref, rows=rows_ok, cols=st.head_cols).astype(jnp.float32)
   _store_rows(delta_ref, jnp.sum(multiply(o, do, native=st.native), axis=1), rows_ok)
@@ -588,7 +595,7 @@ def _backward_mask(keys, key_ok, rows_ok, row_pos, st: _Static):
 
 
 def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                          dk_ref, dv_ref, *, st: _Static):
+                          dk_ref, dv_ref, *, st: _Static, program_ids: tuple):
   """dK, dV of one block of ``bwd_block_k`` keys, summed over the sequence's
   packed query rows in blocks of ``bwd_block_q``, in increasing order.
 
@@ -601,7 +608,7 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
   """
   tiles = st.tiles
   bq, bk = tiles.bwd_block_q, tiles.bwd_block_k
-  key_start = pl.program_id(0) * bk
+  key_start = program_ids[0] * bk
   offset = offs_ref[0]
   key_limit = _key_limit(lens_ref[0], st.seq)
   keys = key_start + jnp.arange(bk)
@@ -640,7 +647,7 @@ def attention_dkdv_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_r
 
 
 def attention_dq_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                        dq_ref, *, st: _Static):
+                        dq_ref, *, st: _Static, program_ids: tuple):
   """dQ of ``bwd_block_q`` packed rows over the key blocks in increasing order.
 
   q_ref, do_ref, dq_ref: [bwd_block_q, W]; lse_ref, delta_ref: [bwd_block_q];
@@ -648,7 +655,7 @@ def attention_dq_kernel(lens_ref, offs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref
   """
   tiles = st.tiles
   bq, bk = tiles.bwd_block_q, tiles.bwd_block_k
-  row_start = pl.program_id(0) * bq
+  row_start = program_ids[0] * bq
   offset = offs_ref[0]
   key_limit, bound, clear = tile_key_bounds(row_start, bq, lens_ref[0], offset, st)
   rows_ok = block_mask(row_start, bq, st.rows) if st.rows % bq else None
@@ -803,9 +810,9 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
   scalars = (kv_lengths.astype(jnp.int32), q_offsets.astype(jnp.int32))
   if not split:
     kv_len = cdiv(s, tiles.block_k) * tiles.block_k
-    op, lse = pl.pallas_call(
+    op, lse = counted_axis_call(
         functools.partial(attention_forward_kernel, st=st),
-        grid=(row_tiles, b, kv_heads),
+        count=b, axis=1, grid=(row_tiles, b, kv_heads),
         in_specs=[_scalar_spec(), _scalar_spec(), _rows_spec(bq, width),
                   _kv_spec(kv_len, width), _kv_spec(kv_len, width)],
         out_specs=out_specs, out_shape=out_shapes, compiler_params=params,
@@ -822,9 +829,9 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
 
   chunk_spec = pl.BlockSpec((None, ck, None, width),
                             lambda p, bi, hi: (bi, p // row_tiles, hi, 0))
-  m, l, acc = pl.pallas_call(
+  m, l, acc = counted_axis_call(
       functools.partial(attention_split_kernel, st=st, row_tiles=row_tiles),
-      grid=(chunks * row_tiles, b, kv_heads),
+      count=b, axis=1, grid=(chunks * row_tiles, b, kv_heads),
       in_specs=[_scalar_spec(), _scalar_spec(),
                 pl.BlockSpec((None, None, bq, width),
                              lambda p, bi, hi: (bi, hi, p % row_tiles, 0)),
@@ -842,9 +849,9 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
   col_tiles = cdiv(h, cols)
   state_spec = pl.BlockSpec((None, None, chunks, bq),
                             lambda p, bi, hi: (bi, hi, 0, p // col_tiles))
-  op, lse = pl.pallas_call(
+  op, lse = counted_axis_call(
       functools.partial(attention_combine_kernel, st=st, col_tiles=col_tiles),
-      grid=(row_tiles * col_tiles, b, kv_heads),
+      count=b, axis=1, grid=(row_tiles * col_tiles, b, kv_heads),
       in_specs=[_scalar_spec(), _scalar_spec(), state_spec, state_spec,
                 pl.BlockSpec((None, None, chunks, bq, cols),
                              lambda p, bi, hi: (bi, hi, 0, p // col_tiles, p % col_tiles))],
@@ -880,9 +887,9 @@ def attention_backward(q, k, v, out, lse, dout, kv_lengths, q_offsets, *, scale:
   row_blocks = cdiv(rows, bq)
   params = compiler_params(tiles.bwd_warps, tiles.bwd_stages)
   scalars = (kv_lengths.astype(jnp.int32), q_offsets.astype(jnp.int32))
-  delta = pl.pallas_call(
+  delta = counted_axis_call(
       functools.partial(attention_delta_kernel, st=st),
-      grid=(row_blocks, b, kv_heads),
+      count=b, axis=1, grid=(row_blocks, b, kv_heads),
       in_specs=[_rows_spec(bq, width), _rows_spec(bq, width)],
       out_specs=_rows_spec(bq),
       out_shape=jax.ShapeDtypeStruct((b, kv_heads, rows), jnp.float32),
@@ -897,9 +904,9 @@ def attention_backward(q, k, v, out, lse, dout, kv_lengths, q_offsets, *, scale:
   whole_rows = (pl.BlockSpec((None, None, all_rows, width), lambda j, bi, hi: (bi, hi, 0, 0)),
                 pl.BlockSpec((None, None, all_rows), lambda j, bi, hi: (bi, hi, 0)))
   key_block = pl.BlockSpec((None, bk, None, width), lambda j, bi, hi: (bi, j, hi, 0))
-  dk, dv = pl.pallas_call(
+  dk, dv = counted_axis_call(
       functools.partial(attention_dkdv_kernel, st=st),
-      grid=(cdiv(s, bk), b, kv_heads),
+      count=b, axis=1, grid=(cdiv(s, bk), b, kv_heads),
       in_specs=[_scalar_spec(), _scalar_spec(), whole_rows[0], key_block, key_block,
                 whole_rows[0], whole_rows[1], whole_rows[1]],
       out_specs=(key_block, key_block),
@@ -907,9 +914,9 @@ def attention_backward(q, k, v, out, lse, dout, kv_lengths, q_offsets, *, scale:
       compiler_params=params, interpret=interpret, name="jdet_attention_dkdv",
   )(*scalars, qp, k, v, dop, lse, delta)
   kv_len = cdiv(s, bk) * bk
-  dqp = pl.pallas_call(
+  dqp = counted_axis_call(
       functools.partial(attention_dq_kernel, st=st),
-      grid=(row_blocks, b, kv_heads),
+      count=b, axis=1, grid=(row_blocks, b, kv_heads),
       in_specs=[_scalar_spec(), _scalar_spec(), _rows_spec(bq, width), _kv_spec(kv_len, width),
                 _kv_spec(kv_len, width), _rows_spec(bq, width), _rows_spec(bq), _rows_spec(bq)],
       out_specs=_rows_spec(bq, width),

@@ -10,7 +10,10 @@ out-of-bounds fill or zero padding in the other kernels): the same values, so
 the same bits. Tile shape (``block_m``, ``block_n``), warps and stages only
 decide which program computes an element, never that order, so the plan
 (:mod:`pallas_kernels.matmul_plan`) may pick them from M. No launcher here
-copies an operand: edge tiles and the last contraction step are masked.
+copies an operand: edge tiles and the last contraction step are masked. The
+forward/dA launcher reads M from an operand and runs a bucketed grid of row
+tiles (``_common.counted_call``), so every M of a bucket runs one compiled
+kernel; dB's contraction is the token count, so it compiles per count.
 
 Kernels:
   * :func:`matmul_kernel` - ``C[g] = A[g] @ B[g]`` or ``A[g] @ B[g]ᵀ`` (forward, dA).
@@ -34,8 +37,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from pallas_kernels._common import (block_mask, cdiv, compiler_params, dot_f32,
-                                    launcher, load_block, store_block)
+from pallas_kernels._common import (block_mask, bucketed_grid, cdiv, compiler_params,
+                                    counted_call, dot_f32, launcher, load_block, store_block)
 
 BLOCK_K = 64
 
@@ -187,31 +190,38 @@ def contraction_loop(k: int, step, acc, *, chunk: int | None = None):
   return acc
 
 
-def matmul_kernel(a_ref, b_ref, o_ref, *, m: int, n: int, group_m: int,
+def matmul_kernel(rows_ref, a_ref, b_ref, o_ref, *, row_tiles: int, n: int, group_m: int,
                   transpose_b: bool, precision, contraction_chunk: int | None = None):
   """One [block_m, block_n] tile of ``A @ B`` (or ``A @ Bᵀ``).
 
-  a_ref: [block_m, K]; b_ref: [K, block_n] ([block_n, K] if transpose_b);
-  o_ref: [block_m, block_n]. Rows >= m and columns >= n of the edge tiles and
-  the contraction past K in the last step are masked (loaded as zeros).
-  ``contraction_chunk``: the contraction in chunks (:func:`contraction_loop`).
+  rows_ref: [1] int32, M (an operand, so that the kernel is the same for every M
+  of ``row_tiles``, the bucketed count of row tiles: tiles past M return at
+  once); a_ref: [block_m, K]; b_ref: [K, block_n] ([block_n, K] if
+  transpose_b); o_ref: [block_m, block_n]. Rows >= M (every tile masks them,
+  whatever M) and columns >= n of the edge tiles and the contraction past K in
+  the last step are masked (loaded as zeros). ``contraction_chunk``: the
+  contraction in chunks (:func:`contraction_loop`).
   """
   block_m, block_n = o_ref.shape
-  i, j = tile_coords(pl.program_id(0), cdiv(m, block_m), cdiv(n, block_n), group_m)
-  rows = block_mask(i * block_m, block_m, m) if m % block_m else None
-  cols = block_mask(j * block_n, block_n, n) if n % block_n else None
+  m = rows_ref[0]
+  i, j = tile_coords(pl.program_id(0), row_tiles, cdiv(n, block_n), group_m)
 
-  def step(ks, k_mask, acc):
-    a = load_block(a_ref.at[:, ks], rows=rows, cols=k_mask)
-    if transpose_b:
-      b = load_block(b_ref.at[:, ks], rows=cols, cols=k_mask)
-    else:
-      b = load_block(b_ref.at[ks, :], rows=k_mask, cols=cols)
-    return acc + dot_f32(a, b, trans_b=transpose_b, precision=precision)
+  @pl.when(i * block_m < m)
+  def _tile():
+    rows = block_mask(i * block_m, block_m, m)
+    cols = block_mask(j * block_n, block_n, n) if n % block_n else None
 
-  acc = contraction_loop(a_ref.shape[-1], step, jnp.zeros((block_m, block_n), jnp.float32),
-                         chunk=contraction_chunk)
-  store_block(o_ref, acc.astype(o_ref.dtype), rows=rows, cols=cols)
+    def step(ks, k_mask, acc):
+      a = load_block(a_ref.at[:, ks], rows=rows, cols=k_mask)
+      if transpose_b:
+        b = load_block(b_ref.at[:, ks], rows=cols, cols=k_mask)
+      else:
+        b = load_block(b_ref.at[ks, :], rows=k_mask, cols=cols)
+      return acc + dot_f32(a, b, trans_b=transpose_b, precision=precision)
+
+    acc = contraction_loop(a_ref.shape[-1], step, jnp.zeros((block_m, block_n), jnp.float32),
+                           chunk=contraction_chunk)
+    store_block(o_ref, acc.astype(o_ref.dtype), rows=rows, cols=cols)
 
 
 def matmul_at_b_kernel(a_ref, d_ref, o_ref, *, k: int, n: int, precision):
@@ -241,40 +251,49 @@ def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles: MatmulTiles,
   a: [G, M, K]; b: [Gb, K, N] (or [Gb, N, K] if transpose_b) with Gb in {1, G}
   (Gb = 1 shares b across the batch). Returns [G, M, N] in ``out_dtype``.
   ``contraction_chunk`` (a multiple of BLOCK_K, or None): sum K in chunks
-  added in order (:func:`contraction_loop`).
+  added in order (:func:`contraction_loop`). M is an operand and the row tiles
+  a :func:`~pallas_kernels._common.bucketed_grid`, so every M whose tiles share
+  a bucket runs the same compiled kernel (a rollout's new batch sizes).
   """
   g, m, k = a.shape
   n = b.shape[1] if transpose_b else b.shape[2]
   shared_b = b.shape[0] == 1
   bm, bn = tiles.block_m, tiles.block_n
-  num_m, num_n = cdiv(m, bm), cdiv(n, bn)
-  coords = functools.partial(tile_coords, num_m=num_m, num_n=num_n, group_m=tiles.group_m)
+  row_tiles, num_n = bucketed_grid(cdiv(m, bm)), cdiv(n, bn)
+  coords = functools.partial(tile_coords, num_m=row_tiles, num_n=num_n, group_m=tiles.group_m)
+  # Grid axis 0 (the fastest-launched) walks the tiles; axis 1, if any, the groups.
+  # One group runs on [M, K] views: the group axis's stride would be M K, a
+  # constant that makes every M a kernel of its own.
+  grouped = g > 1
 
-  # Grid axis 0 (the fastest-launched) walks the tiles; axis 1 the batch.
-  def a_index(t, gi):
-    return gi, coords(t)[0], 0
+  def a_index(t, *gi):
+    return *gi, coords(t)[0], 0
 
-  def b_index(t, gi):
+  def b_index(t, *gi):
     j = coords(t)[1]
-    return (0 if shared_b else gi, j, 0) if transpose_b else (0 if shared_b else gi, 0, j)
+    group = (0,) if grouped and shared_b else gi
+    return (*group, j, 0) if transpose_b else (*group, 0, j)
 
-  def o_index(t, gi):
-    return (gi, *coords(t))
+  def o_index(t, *gi):
+    return *gi, *coords(t)
 
-  b_block = (None, bn, k) if transpose_b else (None, k, bn)
-  kernel = functools.partial(matmul_kernel, m=m, n=n, group_m=tiles.group_m,
+  group_block = (None,) if grouped else ()
+  b_block = (*group_block, bn, k) if transpose_b else (*group_block, k, bn)
+  kernel = functools.partial(matmul_kernel, row_tiles=row_tiles, n=n, group_m=tiles.group_m,
                              transpose_b=transpose_b, precision=precision,
                              contraction_chunk=contraction_chunk)
-  return pl.pallas_call(
+  out = counted_call(
       kernel,
-      grid=(num_m * num_n, g),
-      in_specs=[pl.BlockSpec((None, bm, k), a_index), pl.BlockSpec(b_block, b_index)],
-      out_specs=pl.BlockSpec((None, bm, bn), o_index),
-      out_shape=jax.ShapeDtypeStruct((g, m, n), out_dtype),
+      count=m,
+      grid=(row_tiles * num_n, g) if grouped else (row_tiles * num_n,),
+      in_specs=[pl.BlockSpec((*group_block, bm, k), a_index), pl.BlockSpec(b_block, b_index)],
+      out_specs=pl.BlockSpec((*group_block, bm, bn), o_index),
+      out_shape=jax.ShapeDtypeStruct((g, m, n) if grouped else (m, n), out_dtype),
       compiler_params=compiler_params(tiles.num_warps, tiles.num_stages),
       interpret=interpret,
       name="jdet_matmul_t" if transpose_b else "jdet_matmul",
-  )(a, b)
+  )(*((a, b) if grouped else (a[0], b[0])))
+  return out if grouped else out[None]
 
 
 @launcher

@@ -284,6 +284,31 @@ def test_gradients_batch_invariant_and_deterministic(grad_case):
   assert_bitwise_equal(longer[0][:, :S], full[0], what="dq with appended queries")
 
 
+def test_sequences_past_a_full_bucket_of_programs():
+  """Nine sequences run on a grid of ten per (row tile, kv head) (the sequence
+  axis is bucketed, ``_common.counted_axis_call``): the tenth programs return at
+  once, and each sequence's output, split-KV decode step and gradients are
+  bitwise those it gets alone."""
+  batch = 9
+  rng = np.random.default_rng(11)
+  q, k, v, weight = (random_normal(rng, shape, jnp.float32)
+                     for shape in ((batch, S, N, H), (batch, S, K, H), (batch, S, K, H),
+                                   (batch, S, N, H)))
+  lengths = jnp.array(rng.integers(1, S + 1, batch), jnp.int32)
+  offsets = jnp.zeros((batch,), jnp.int32)
+  steps = lengths - 1
+  full = (attend(q, k, v, lengths, offsets),
+          attend_path(q[:, :1], k, v, lengths, steps, split=True),
+          *grads(q, k, v, lengths, offsets, weight))
+  for b in range(batch):
+    one = lambda x: x[b:b + 1]  # noqa: E731
+    alone = (attend(one(q), one(k), one(v), one(lengths), one(offsets)),
+             attend_path(one(q)[:, :1], one(k), one(v), one(lengths), one(steps), split=True),
+             *grads(one(q), one(k), one(v), one(lengths), one(offsets), one(weight)))
+    for name, got, want in zip(("out", "decode", "dq", "dk", "dv"), full, alone):
+      assert_bitwise_equal(got[b], want[0], what=f"sequence {b} {name}")
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(query=np.zeros((2, 3, 4, 16))), TypeError, "query must be bfloat16"),
     (dict(query=np.zeros((3, 4, 16), np.float32)), ValueError, "query must have shape"),
