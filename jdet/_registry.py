@@ -436,10 +436,11 @@ def _attention_check(full):
                (0, 0, 0), lambda out: relative_error(out[0, rows], exact()[1]), 2e-2, sizes)]
 
 
-def attention_bench_cases(configs, *, heads=ATTENTION_HEADS):
+def attention_bench_cases(configs, *, heads=ATTENTION_HEADS, prefill_baseline="jax.nn"):
   """Cases for ("prefill" or "decode", B, T, S) configs with ``heads`` = (N, K, H),
-  bf16: prefill forward and forward+backward against jax.nn (cuDNN where it runs),
-  decode forward against XLA."""
+  bf16: prefill forward and forward+backward against jax.nn (cuDNN where it runs)
+  or, with ``prefill_baseline="reference"``, the jitted jnp reference; decode
+  forward against XLA."""
   n, kv, h = heads
   dtype = jnp.bfloat16
   itemsize = jnp.dtype(dtype).itemsize
@@ -453,14 +454,12 @@ def attention_bench_cases(configs, *, heads=ATTENTION_HEADS):
     set_bytes = (2 * b * t * n + 2 * b * s * kv) * h * itemsize
     label = f"{kind} B={b} T={t} S={s} N={n} K={kv} H={h}"
     if kind == "prefill":
-      impl = _cudnn_or_xla(make_args(0))
-      theirs = functools.partial(jax.nn.dot_product_attention, is_causal=True,
-                                 implementation=impl)
+      baseline, theirs = _prefill_baseline(prefill_baseline, make_args)
       flops = 4.0 * b * n * t * s * h / 2  # causal: half the square
       for pass_, wrap, passes in (("fwd", lambda f: _first_args(f, 3), 1.0),
                                   ("fwd+bwd", _forward_and_backward, 3.5)):
         cases.append(BenchCase("dot_product_attention", label, pass_,
-                               wrap(_causal_attention), f"jax.nn ({impl})", wrap(theirs),
+                               wrap(_causal_attention), baseline, wrap(theirs),
                                make_args, set_bytes, flops=flops * passes))
     else:
       lengths = jnp.full((b,), s, jnp.int32)
@@ -478,8 +477,23 @@ def _attention_bench(full):
 
 
 def _attention_first_call(full):
+  """Against the jnp reference, as for every op (issue 24); cuDNN's first calls, a
+  fraction of a second, are in benchmarks/results/h100.md."""
   lengths = FIRST_CALL_SEQUENCE if full else first_call_sizes(full)
-  return attention_bench_cases([("prefill", 1, t, t) for t in lengths])
+  return attention_bench_cases([("prefill", 1, t, t) for t in lengths],
+                               prefill_baseline="reference")
+
+
+def _prefill_baseline(which: str, make_args):
+  """(label, causal attention) of a prefill's baseline: ``"jax.nn"``, cuDNN where it
+  compiles forward+backward on ``make_args(0)``, else XLA; ``"reference"``, the jnp
+  reference."""
+  if which == "reference":
+    return "jit(jnp reference)", functools.partial(jdet.dot_product_attention_reference,
+                                                   is_causal=True)
+  impl = _cudnn_or_xla(make_args(0))
+  return f"jax.nn ({impl})", functools.partial(jax.nn.dot_product_attention, is_causal=True,
+                                               implementation=impl)
 
 
 def _cudnn_or_xla(args) -> str:
