@@ -146,7 +146,8 @@ def test_batch_sizes_of_a_bucket_lower_to_the_same_attention_kernels():
 
 
 def test_decode_steps_of_a_bucket_lower_to_the_same_kernels(monkeypatch):
-  """A rollout engine's new batch size in a bucket it has seen compiles no kernel."""
+  """A rollout engine's new batch size in a bucket it has seen compiles none of jdet's
+  kernels again."""
   first, second = (_decode_step(b, monkeypatch) for b in SAME_BATCH_BUCKET)
   assert first and second == first
   assert _decode_step(NEXT_BATCH_BUCKET, monkeypatch) != first
