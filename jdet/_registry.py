@@ -42,8 +42,10 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 import jdet
+from jdet import testing
 from jdet.bench import BenchCase
 from jdet.check import Case
 from jdet.testing import assert_bitwise_equal, random_normal, relative_error
@@ -396,6 +398,38 @@ def _causal_attention(q, k, v):
   return jdet.dot_product_attention(q, k, v, is_causal=True)
 
 
+def _prefill_decode_chunked(q, k, v):
+  """Causal self-attention of q [B, T, N, H] over k, v [B, T, K, H] three ways,
+  stacked on axis 1: the whole prefill; decode, each query alone against the cache
+  of its sequence's keys so far (a ``lax.scan`` over positions); and a chunked
+  prefill (a third of the queries, then the rest against the cache). The
+  contract makes the three bitwise equal."""
+  b, t = q.shape[:2]
+
+  def attend(queries, lengths, offsets):
+    return jdet.dot_product_attention(queries, k, v, is_causal=True,
+                                      key_value_seq_lengths=lengths, query_offsets=offsets)
+
+  def decode_one(_, position):
+    lengths = jnp.full((b,), position + 1, jnp.int32)
+    query = lax.dynamic_slice_in_dim(q, position, 1, axis=1)
+    return None, attend(query, lengths, lengths - 1)[:, 0]
+
+  decode = jnp.moveaxis(lax.scan(decode_one, None, jnp.arange(t))[1], 0, 1)
+  first = max(1, t // 3)
+  chunks = [attend(q[:, :first], jnp.full((b,), first, jnp.int32), jnp.zeros((b,), jnp.int32)),
+            attend(q[:, first:], jnp.full((b,), t, jnp.int32), jnp.full((b,), first, jnp.int32))]
+  return jnp.stack([_causal_attention(q, k, v), decode, jnp.concatenate(chunks, axis=1)],
+                   axis=1)
+
+
+def _differing_share(paths) -> float:
+  """The share of elements of paths [B, 3, ...] (:func:`_prefill_decode_chunked`)
+  whose decode or chunked-prefill bits differ from the whole prefill's."""
+  bits = testing.bits(paths)
+  return float(np.mean(bits[:, 1:] != bits[:, :1]))
+
+
 def _causal_attention_float64(q, k, v):
   """One sequence's causal attention (q [T, N, H], k/v [T, K, H]) in float64 on the
   host, and its dq for the loss sum(out**2): returns (out, dq), both [T, N, H]."""
@@ -433,7 +467,11 @@ def _attention_check(full):
                _causal_attention, (q, k, v), (0, 0, 0),
                lambda out: relative_error(out[0, rows], exact()[0]), 2e-2, sizes),
           Case("dot_product_attention", "dq (grad of sum of squares)", dq, (q, k, v),
-               (0, 0, 0), lambda out: relative_error(out[0, rows], exact()[1]), 2e-2, sizes)]
+               (0, 0, 0), lambda out: relative_error(out[0, rows], exact()[1]), 2e-2, sizes),
+          Case("dot_product_attention",
+               "prefill == decode == chunked prefill (error: share of elements whose bits differ)",
+               _prefill_decode_chunked, (q, k, v), (0, 0, 0), _differing_share, 0.0,
+               sizes[:1])]
 
 
 def attention_bench_cases(configs, *, heads=ATTENTION_HEADS, prefill_baseline="jax.nn"):
