@@ -61,8 +61,10 @@ def _token_logprobs(rows):
 
 
 def _matmul(rows):
-  a = jax.ShapeDtypeStruct((rows, 96), jnp.bfloat16)
-  b = jax.ShapeDtypeStruct((96, 80), jnp.bfloat16)
+  # float32: the Triton kernels on any GPU (an H100's Mosaic GPU kernel takes 16-bit
+  # GEMMs of more than 128 rows).
+  a = jax.ShapeDtypeStruct((rows, 96), jnp.float32)
+  b = jax.ShapeDtypeStruct((96, 80), jnp.float32)
   return jax.grad(_loss(lambda a, b: jdet.matmul(a, b, interpret=False))), (a, b)
 
 
