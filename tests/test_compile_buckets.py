@@ -60,11 +60,11 @@ def _token_logprobs(rows):
   return jax.grad(lambda h, w, t: jnp.sum(fn(h, w, t) ** 2), argnums=(0, 1)), (h, w, t)
 
 
-def _matmul(rows):
-  # float32: the Triton kernels on any GPU (an H100's Mosaic GPU kernel takes 16-bit
-  # GEMMs of more than 128 rows).
-  a = jax.ShapeDtypeStruct((rows, 96), jnp.float32)
-  b = jax.ShapeDtypeStruct((96, 80), jnp.float32)
+def _matmul(rows, dtype=jnp.float32):
+  """Float32 by default: the Triton kernels on any GPU at any row count (an H100 runs
+  16-bit GEMMs of more than 128 rows on its Mosaic GPU kernel)."""
+  a = jax.ShapeDtypeStruct((rows, 96), dtype)
+  b = jax.ShapeDtypeStruct((96, 80), dtype)
   return jax.grad(_loss(lambda a, b: jdet.matmul(a, b, interpret=False))), (a, b)
 
 
@@ -77,8 +77,8 @@ CASES = {"rms_norm": _rms_norm, "log_softmax": _softmax, "sinkhorn": _sinkhorn,
          "token_logprobs": _token_logprobs, "tri_inverse": _tri_inverse, "matmul": _matmul}
 
 
-def _row_kernels(case, rows):
-  fn, args = CASES[case](rows)
+def _row_kernels(case, rows, **options):
+  fn, args = CASES[case](rows, **options)
   return [k for k in lowered_triton_kernels(fn, *args) if 'name = "jdet_matmul_at_b' not in k]
 
 
@@ -91,16 +91,19 @@ def test_row_counts_of_a_bucket_lower_to_the_same_kernels(case):
 
 
 def test_gemm_rows_that_one_tile_holds_lower_to_one_kernel():
-  """Up to GPU_ONE_ROW_OF_TILES rows the GEMM takes the smallest ladder tile that
-  holds them all (matmul_plan.triton_tiles): every row count from one tile height
-  up to the next (a decode batch of 1-16 rows, say) runs one compiled kernel."""
+  """Up to GPU_ONE_ROW_OF_TILES rows the bf16 GEMM (Triton on every GPU there) takes
+  the smallest ladder tile that holds them all (matmul_plan.triton_tiles): every row
+  count from one tile height up to the next (a decode batch of 1-16 rows, say) runs one
+  compiled kernel."""
   heights = sorted({t.block_m for t in matmul_kernels.GPU_MATMUL_LADDER
                     if t.block_m <= matmul_kernels.GPU_ONE_ROW_OF_TILES})
+  kernels = functools.partial(_row_kernels, "matmul", dtype=jnp.bfloat16)
   lowest = 1
   for height in heights:
-    first = _row_kernels("matmul", lowest)
-    assert _row_kernels("matmul", height) == first, f"{lowest} and {height} rows"
-    assert _row_kernels("matmul", height + 1) != first, f"{height} and {height + 1} rows"
+    first = kernels(lowest)
+    assert first, "the GEMM lowered to no Triton kernel"
+    assert kernels(height) == first, f"{lowest} and {height} rows"
+    assert kernels(height + 1) != first, f"{height} and {height + 1} rows"
     lowest = height + 1
 
 
