@@ -477,7 +477,7 @@ def _attention_check(full):
 def attention_bench_cases(configs, *, heads=ATTENTION_HEADS, prefill_baseline="jax.nn"):
   """Cases for ("prefill" or "decode", B, T, S) configs with ``heads`` = (N, K, H),
   bf16: prefill forward and forward+backward against jax.nn (cuDNN where it runs)
-  or, with ``prefill_baseline="reference"``, the jitted jnp reference; decode
+  or, with ``prefill_baseline="xla"``, jax.nn's XLA (jax.numpy) attention; decode
   forward against XLA."""
   n, kv, h = heads
   dtype = jnp.bfloat16
@@ -515,21 +515,19 @@ def _attention_bench(full):
 
 
 def _attention_first_call(full):
-  """Against the jnp reference, as for every op (issue 24); cuDNN's first calls, a
-  fraction of a second, are in benchmarks/results/h100.md."""
+  """Against jax.nn's jax.numpy attention (XLA), as every op against its jnp
+  twin (issue 24); cuDNN's first calls are in benchmarks/results/h100.md."""
   lengths = FIRST_CALL_SEQUENCE if full else first_call_sizes(full)
   return attention_bench_cases([("prefill", 1, t, t) for t in lengths],
-                               prefill_baseline="reference")
+                               prefill_baseline="xla")
 
 
 def _prefill_baseline(which: str, make_args):
-  """(label, causal attention) of a prefill's baseline: ``"jax.nn"``, cuDNN where it
-  compiles forward+backward on ``make_args(0)``, else XLA; ``"reference"``, the jnp
-  reference."""
-  if which == "reference":
-    return "jit(jnp reference)", functools.partial(jdet.dot_product_attention_reference,
-                                                   is_causal=True)
-  impl = _cudnn_or_xla(make_args(0))
+  """(label, causal attention) of a prefill's baseline, jax.nn's: ``"jax.nn"``, cuDNN
+  where it compiles forward+backward on ``make_args(0)``, else XLA; ``"xla"``, XLA
+  (its bf16 jax.numpy attention, not jdet's float32 reference, whose HIGHEST
+  precision einsums take XLA many seconds to autotune)."""
+  impl = "xla" if which == "xla" else _cudnn_or_xla(make_args(0))
   return f"jax.nn ({impl})", functools.partial(jax.nn.dot_product_attention, is_causal=True,
                                                implementation=impl)
 
