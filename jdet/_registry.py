@@ -2,7 +2,8 @@
 
 ``python -m jdet check`` runs each entry's ``check_cases``, ``python -m jdet bench``
 its ``bench_cases`` (``--first-call``: its ``first_call_cases``, the bench cases at
-a warm-up size and three sizes nothing else uses), ``tests/test_properties.py`` its
+a warm-up size and three sizes nothing else uses, each pass at sizes of its own:
+:func:`first_call_cases`), ``tests/test_properties.py`` its
 ``sweep_case`` and the sharding test (``tests/sharded_check.py``) its
 ``sharding_case``. Adding an op means writing its module (``jdet/<op>.py`` over
 ``pallas_kernels/<op>.py``) and one entry here::
@@ -21,8 +22,8 @@ a warm-up size and three sizes nothing else uses), ``tests/test_properties.py`` 
     def _my_op_sharding(rng):          # -> (fn, batched input, *shared inputs)
       return jdet.my_op, random_normal(rng, (16, 32))
 
-    def _my_op_first_call(full):       # -> list[BenchCase] at first_call_sizes(full)
-      ...
+    def _my_op_first_call(full):       # -> list[BenchCase]
+      return first_call_cases(lambda m: my_op_bench_cases([(m, 512)]), first_call_sizes(full))
 
     Op("my_op", _my_op_check, _my_op_bench, _my_op_sweep, _my_op_sharding,
        _my_op_first_call)
@@ -68,11 +69,29 @@ CPU_CHECK_SIZES = (1, 3)
 FIRST_CALL_TOKENS = (2053, 4099, 8191, 30001)
 FIRST_CALL_MATRICES = (517, 1000, 3001, 4099)
 FIRST_CALL_SEQUENCE = (513, 1000, 2049, 3001)
-FIRST_CALL_QUICK = (3, 5, 9, 17)  # CPU interpret
+FIRST_CALL_QUICK = (5, 9, 14, 23)  # CPU interpret; with their grown sizes, none a bench size
+# An op's i-th pass (forward, forward+backward, ...) runs at its sizes times this ** i.
+FIRST_CALL_PASS_GROWTH = 1.3
 
 
 def first_call_sizes(full: bool) -> tuple[int, ...]:
   return FIRST_CALL_TOKENS if full else FIRST_CALL_QUICK
+
+
+def first_call_cases(build: Callable[[int], list[BenchCase]], sizes) -> list[BenchCase]:
+  """First-call cases at ``sizes``: ``build(size)`` gives an op's bench cases at one
+  size, every pass; the op's i-th pass runs at ``round(size * FIRST_CALL_PASS_GROWTH
+  ** i)``, so no pass finds kernels that another compiled at its size. A trainer's
+  first step at a new token count runs forward+backward with no forward compiled
+  at that count. 30% puts each pass's size in a bucket of its own: jdet's buckets
+  are at most 25% wide (``pallas_kernels._common.bucketed_grid``)."""
+  cases = []
+  for size in sizes:
+    passes = list(dict.fromkeys(case.pass_ for case in build(size)))
+    for i, pass_ in enumerate(passes):
+      grown = round(size * FIRST_CALL_PASS_GROWTH ** i)
+      cases += [case for case in build(grown) if case.pass_ == pass_]
+  return cases
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +214,7 @@ def _matmul_bench(full):
 
 def _matmul_first_call(full):
   weight = (4096, 4096) if full else (64, 128)
-  return matmul_bench_cases([(m, weight) for m in first_call_sizes(full)])
+  return first_call_cases(lambda m: matmul_bench_cases([(m, weight)]), first_call_sizes(full))
 
 
 def _matmul_sweep(rng):
@@ -282,7 +301,8 @@ def _sinkhorn_bench(full):
 
 
 def _sinkhorn_first_call(full):
-  return sinkhorn_bench_cases([(tokens, 4) for tokens in first_call_sizes(full)])
+  return first_call_cases(lambda tokens: sinkhorn_bench_cases([(tokens, 4)]),
+                          first_call_sizes(full))
 
 
 def _sinkhorn_sweep(rng):
@@ -364,8 +384,9 @@ def _tri_inverse_bench(full):
 
 def _tri_inverse_first_call(full):
   counts = FIRST_CALL_MATRICES if full else first_call_sizes(full)
-  return tri_inverse_bench_cases([(count, 64) for count in counts],
-                                 baselines=("solve_triangular",))
+  return first_call_cases(
+      lambda count: tri_inverse_bench_cases([(count, 64)], baselines=("solve_triangular",)),
+      counts)
 
 
 def _tri_inverse_sweep(rng):
@@ -518,8 +539,8 @@ def _attention_first_call(full):
   """Against jax.nn's jax.numpy attention (XLA), as every op against its jnp
   twin (issue 24); cuDNN's first calls are in benchmarks/results/h100.md."""
   lengths = FIRST_CALL_SEQUENCE if full else first_call_sizes(full)
-  return attention_bench_cases([("prefill", 1, t, t) for t in lengths],
-                               prefill_baseline="xla")
+  return first_call_cases(
+      lambda t: attention_bench_cases([("prefill", 1, t, t)], prefill_baseline="xla"), lengths)
 
 
 def _prefill_baseline(which: str, make_args):
@@ -657,7 +678,8 @@ def _rms_norm_bench(full):
 
 
 def _rms_norm_first_call(full):
-  return rms_norm_bench_cases([(m, 4096 if full else 96) for m in first_call_sizes(full)])
+  return first_call_cases(lambda m: rms_norm_bench_cases([(m, 4096 if full else 96)]),
+                          first_call_sizes(full))
 
 
 def _rms_norm_sweep(rng):
@@ -757,8 +779,9 @@ def _softmax_bench(full):
 
 
 def _softmax_first_call(full):
-  return softmax_bench_cases([(m, 32000 if full else 300, jnp.bfloat16)
-                              for m in first_call_sizes(full)])
+  return first_call_cases(
+      lambda m: softmax_bench_cases([(m, 32000 if full else 300, jnp.bfloat16)]),
+      first_call_sizes(full))
 
 
 def _softmax_sweep(rng):
@@ -879,9 +902,9 @@ def _token_logprobs_bench(full):
 
 
 def _token_logprobs_first_call(full):
-  shapes = ([(t, 4096, 151936) for t in FIRST_CALL_SEQUENCE] if full
-            else [(t, 64, 300) for t in first_call_sizes(full)])
-  return token_logprobs_bench_cases(shapes)
+  width, vocab = (4096, 151936) if full else (64, 300)
+  return first_call_cases(lambda t: token_logprobs_bench_cases([(t, width, vocab)]),
+                          FIRST_CALL_SEQUENCE if full else first_call_sizes(full))
 
 
 def _token_logprobs_sweep(rng):
