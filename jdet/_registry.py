@@ -83,8 +83,9 @@ def first_call_cases(build: Callable[[int], list[BenchCase]], sizes) -> list[Ben
   size, every pass; the op's i-th pass runs at ``round(size * FIRST_CALL_PASS_GROWTH
   ** i)``, so no pass finds kernels that another compiled at its size. A trainer's
   first step at a new token count runs forward+backward with no forward compiled
-  at that count. 30% puts each pass's size in a bucket of its own: jdet's buckets
-  are at most 25% wide (``pallas_kernels._common.bucketed_grid``)."""
+  at that count. At the GPU sizes (hundreds of rows and more), 30% puts each pass's
+  size in a bucket of its own: jdet's buckets are at most 25% wide
+  (``pallas_kernels._common.bucketed_grid``)."""
   cases = []
   for size in sizes:
     passes = list(dict.fromkeys(case.pass_ for case in build(size)))
@@ -548,6 +549,8 @@ def _prefill_baseline(which: str, make_args):
   where it compiles forward+backward on ``make_args(0)``, else XLA; ``"xla"``, XLA
   (its bf16 jax.numpy attention, not jdet's float32 reference, whose HIGHEST
   precision einsums take XLA many seconds to autotune)."""
+  if which not in ("jax.nn", "xla"):
+    raise ValueError(f"prefill_baseline must be 'jax.nn' or 'xla', got {which!r}")
   impl = "xla" if which == "xla" else _cudnn_or_xla(make_args(0))
   return f"jax.nn ({impl})", functools.partial(jax.nn.dot_product_attention, is_causal=True,
                                                implementation=impl)
