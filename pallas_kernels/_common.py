@@ -44,12 +44,6 @@ def bucketed_grid(programs: int) -> int:
   return cdiv(programs, step) * step
 
 
-def count_operand(count: int):
-  """``count`` as a kernel operand rather than a constant: its [1] int32 array and
-  BlockSpec (any grid). The kernel reads it as ``ref[0]``."""
-  return pl.BlockSpec((1,), lambda *_: (0,)), jnp.full((1,), count, jnp.int32)
-
-
 def counted_call(kernel, *, count: int, in_specs, input_output_aliases=None, **params):
   """``pl.pallas_call`` of ``kernel(count_ref, *refs)`` with ``count`` an operand
   (the kernel reads ``count_ref[0]``) rather than a constant, so that the compiled
@@ -58,13 +52,12 @@ def counted_call(kernel, *, count: int, in_specs, input_output_aliases=None, **p
   same. The kernel masks or skips what lies past the count itself. ``in_specs``
   and ``input_output_aliases`` are those of the inputs; ``params`` go to
   ``pl.pallas_call``. Returns a function of the inputs."""
-  count_spec, count_array = count_operand(count)
   call = pl.pallas_call(
       kernel,
-      in_specs=[count_spec, *in_specs],
+      in_specs=[pl.BlockSpec((1,), lambda *_: (0,)), *in_specs],
       input_output_aliases={i + 1: o for i, o in (input_output_aliases or {}).items()},
       **params)
-  return lambda *inputs: call(count_array, *inputs)
+  return lambda *inputs: call(jnp.full((1,), count, jnp.int32), *inputs)
 
 
 def counted_rows_call(kernel, *, rows: int, block_rows: int, in_specs, out_specs, out_shape,
@@ -422,7 +415,6 @@ __all__ = [
     "block_mask",
     "bucketed_grid",
     "clear_interpret_executables",
-    "count_operand",
     "counted_axis_call",
     "counted_call",
     "counted_rows_call",
