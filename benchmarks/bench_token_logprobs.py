@@ -4,8 +4,9 @@ Baseline: ``take_along_axis(jax.nn.log_softmax(jnp.dot(h, w,
 preferred_element_type=f32) / temperature), tokens)``, which materialises the
 [T, V] float32 logits. A second table gives both sides' peak temporary memory
 (``jax.jit(f).lower(...).compile().memory_analysis().temp_size_in_bytes``); the
-targets are at least XLA's speed and, where jdet streams the vocabulary (logits
-over 1 GiB: ``pallas_kernels.softmax.token_whole_vocab``), at most 1/8 of its
+targets are at least XLA's speed and, where jdet's logits would pass 1 GiB
+(``pallas_kernels.softmax.token_whole_vocab``; the forward then holds at most
+512 MiB of them at a time, the gradient streams the vocabulary), at most 1/8 of its
 temporary memory; below, jdet holds the logits too, for speed. The
 cases are the op registry's (``TOKEN_LOGPROBS_BENCH``, ``TOKEN_LOGPROBS_QUICK``,
 ``token_logprobs_bench_cases`` in :mod:`jdet._registry`).

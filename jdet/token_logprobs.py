@@ -19,6 +19,13 @@ depend on which columns it computes, and a row kernel's launch over several
 chunks gives the state of one launch per chunk. The first path is the faster
 where it applies: the loop's column windows are copies of the weight's slices
 (benchmarks/results/h100.md, nineteenth session).
+
+Above that limit, with the weight's rows aligned, the forward (not the backward)
+takes the first path on even blocks of rows (``token_row_block``: at most 512 MiB
+of logits each), the rows zero-padded to whole blocks. Rows are independent in
+the GEMM and the row kernel, so the bits are the same; the program holds one
+GEMM kernel, so a new token count's first call compiles one GEMM kernel instead
+of the chunk loop's two, and the forward reads no column windows.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from jax import lax
 
 from jdet._backend import as_array, check_float, check_ndim, differentiable_once, use_interpret
 from jdet.matmul import _GemmConfig, gemm
+from pallas_kernels import pad_axis
 from pallas_kernels.matmul import Layout
 from pallas_kernels import softmax as kernels
 
@@ -46,6 +54,7 @@ class _TokenConfig:
   tiles: kernels.SoftmaxTiles
   interpret: bool
   whole_vocab: bool  # one chunk loop trip over every column (module docstring)
+  row_block: int | None  # the forward in blocks of this many rows, each over every column
 
   @property
   def gemm(self) -> _GemmConfig:
@@ -100,8 +109,10 @@ def token_logprobs(hidden, weight, tokens, *, temperature=1.0, interpret=None):
 
   Memory: where the [rows, V] float32 logits of one call fit 1 GiB (rows: every
   row of ``hidden``'s leading dims; V a multiple of 64), the call holds them
-  (and, for the gradient, dlogits in the compute dtype) for speed; above, it
-  streams the vocabulary in O(rows * 8192). Under ``jax.vmap`` the rule sees one
+  (and, for the gradient, dlogits in the compute dtype) for speed; above, the
+  forward holds at most 512 MiB of them at a time (V a multiple of 64; else it
+  streams the vocabulary in O(rows * 8192)) and the gradient streams the
+  vocabulary. Under ``jax.vmap`` the rule sees one
   mapped example's rows, so the logits of all examples may be held at once:
   pass a batch as leading dims of ``hidden`` instead to keep the limit.
   """
@@ -128,9 +139,12 @@ def token_logprobs(hidden, weight, tokens, *, temperature=1.0, interpret=None):
   _check_token_range(tokens, vocab)
   interpret = use_interpret(interpret, hidden, weight)
   inv_temperature = float(np.float32(1) / np.float32(temperature))
+  whole_vocab = kernels.token_whole_vocab(tokens.size, vocab, interpret=interpret)
   config = _TokenConfig(inv_temperature, kernels.token_chunk_cols(vocab, interpret=interpret),
                         kernels.softmax_tiles(vocab, interpret=interpret), interpret,
-                        kernels.token_whole_vocab(tokens.size, vocab, interpret=interpret))
+                        whole_vocab,
+                        None if whole_vocab else kernels.token_row_block(
+                            tokens.size, vocab, interpret=interpret))
   if tokens.size == 0:
     return jnp.zeros(tokens.shape, jnp.float32)
   dtype = jnp.result_type(hidden.dtype, weight.dtype)
@@ -195,6 +209,16 @@ def _token_logprobs(h, w, tokens, config: _TokenConfig):
 
 
 def _token_logprobs_forward(h, w, tokens, config):
+  if config.row_block is None:
+    m, s, picked = _row_state(config, h, w, tokens)
+  else:
+    m, s, picked = _row_blocks_state(config, h, w, tokens)
+  return kernels.token_finalize(m, s, picked, interpret=config.interpret), (h, w, tokens, m, s)
+
+
+def _row_state(config: _TokenConfig, h, w, tokens):
+  """Each row's final (max, sum of exponentials, picked logit), [T] float32 each,
+  over the chunks of the whole vocabulary."""
   rows = h.shape[0]
 
   def step(first, w_chunk, state):
@@ -204,8 +228,20 @@ def _token_logprobs_forward(h, w, tokens, config):
 
   start = (jnp.full((rows,), -jnp.inf, jnp.float32), jnp.zeros((rows,), jnp.float32),
            jnp.full((rows,), -jnp.inf, jnp.float32))
-  m, s, picked = _over_chunks(config, w, step, start)
-  return kernels.token_finalize(m, s, picked, interpret=config.interpret), (h, w, tokens, m, s)
+  return _over_chunks(config, w, step, start)
+
+
+def _row_blocks_state(config: _TokenConfig, h, w, tokens):
+  """:func:`_row_state` over blocks of ``config.row_block`` rows, each on the
+  whole-vocabulary path. The rows are zero-padded to whole blocks, so that every
+  block runs one GEMM kernel: a new token count compiles one, not the chunk
+  loop's two."""
+  whole = dataclasses.replace(config, whole_vocab=True, row_block=None)
+  rows, block = h.shape[0], config.row_block
+  states = lax.map(lambda b: _row_state(whole, b[0], w, b[1]),
+                   (pad_axis(h, 0, block).reshape(-1, block, h.shape[1]),
+                    pad_axis(tokens, 0, block).reshape(-1, block)))
+  return tuple(x.reshape(-1)[:rows] for x in states)
 
 
 def _token_logprobs_backward(config, saved, cotangent):

@@ -106,6 +106,17 @@ CHUNK_SUB_CHUNKS = 2
 GPU_WHOLE_VOCAB_LOGITS = 1 << 28
 INTERPRET_WHOLE_VOCAB_LOGITS = 1 << 11
 WHOLE_VOCAB_ALIGN = 64
+# Above that limit token_logprobs' forward (not its backward) cuts the rows into
+# the fewest blocks whose logits hold at most this many elements (GPU: 512 MiB,
+# so that the forward at 8192 tokens of a 151,936-word vocabulary holds under 1/8
+# of XLA's logits), as even as whole multiples of the alignment allow (GPU: the
+# Mosaic GEMM's 128-row program tiles), each over the whole vocabulary. One GEMM
+# shape for every block: a new token count compiles one GEMM kernel where the
+# chunk loop compiles two.
+GPU_ROW_BLOCK_LOGITS = 1 << 27
+INTERPRET_ROW_BLOCK_LOGITS = 1 << 11
+GPU_ROW_BLOCK_ALIGN = 128
+INTERPRET_ROW_BLOCK_ALIGN = 1
 
 # The token finalize kernel is elementwise: any block gives the same bits.
 FINALIZE_TILES = SoftmaxTiles(128, 1, 4)
@@ -137,6 +148,21 @@ def token_whole_vocab(rows: int, vocab: int, *, interpret: bool) -> bool:
   if interpret:
     return rows * vocab <= INTERPRET_WHOLE_VOCAB_LOGITS
   return vocab % WHOLE_VOCAB_ALIGN == 0 and rows * vocab <= GPU_WHOLE_VOCAB_LOGITS
+
+
+def token_row_block(rows: int, vocab: int, *, interpret: bool) -> int | None:
+  """Rows per block of token_logprobs' forward over ``rows`` rows of a ``vocab``
+  vocabulary that passed the whole-vocabulary limit (see GPU_ROW_BLOCK_LOGITS;
+  the rows are padded to whole blocks); None where the forward streams chunks
+  instead: V not WHOLE_VOCAB_ALIGN-aligned (in interpret mode too, so that the
+  CPU tests cover both forwards) or no block fits. Any block gives the same bits:
+  rows are independent in the GEMM and the row kernel."""
+  limit, align = ((INTERPRET_ROW_BLOCK_LOGITS, INTERPRET_ROW_BLOCK_ALIGN) if interpret
+                  else (GPU_ROW_BLOCK_LOGITS, GPU_ROW_BLOCK_ALIGN))
+  most = limit // vocab // align * align
+  if vocab % WHOLE_VOCAB_ALIGN or not most:
+    return None
+  return cdiv(cdiv(rows, cdiv(rows, most)), align) * align
 
 
 # ---------------------------------------------------------------------------

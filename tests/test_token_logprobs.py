@@ -3,7 +3,9 @@
 On CPU the vocab chunk is 256 columns (two 128-wide sub-chunks), so V = 300 runs
 one full chunk in the chunk loop and a 44-column tail chunk. A few rows take the
 whole vocabulary at once and the 24-row batch the chunk loop, so comparing rows
-alone with the batch compares the two paths.
+alone with the batch compares the two paths. V = 300 is not 64-aligned, so the
+forward streams chunks too; a 64-aligned V takes blocks of rows instead
+(test_row_blocks_forward).
 """
 
 import jax
@@ -55,6 +57,34 @@ def test_chunking_on_cpu():
   assert kernels.token_whole_vocab(1, V, interpret=True)
   assert not kernels.token_whole_vocab(kernels.softmax_tiles(V, interpret=True).block_rows, V,
                                        interpret=True)
+
+
+def test_row_blocks_forward():
+  """Above the whole-vocabulary limit a 64-aligned V's forward takes even row
+  blocks of at most 6 rows at V = 320 on CPU (14 rows: three of 5, one padded),
+  each over the whole vocabulary; the backward streams chunks. Rows alone, in
+  blocks at other offsets and sizes and the whole batch give the same bits, and
+  the unfused ones."""
+  vocab, rows = 320, 14
+  assert kernels.token_row_block(rows, vocab, interpret=True) == 5
+  assert kernels.token_row_block(12, vocab, interpret=True) == 6
+  assert kernels.token_row_block(rows, V, interpret=True) is None
+  # The GPU rule (128-row multiples, 512 MiB of logits): test_gpu_fused_equals_...'s
+  # 1800 rows at V = 151,936 take three blocks of 640.
+  assert kernels.token_row_block(1800, 151936, interpret=False) == 640
+  assert not kernels.token_whole_vocab(rows, vocab, interpret=True)
+  rng = np.random.default_rng(1)
+  h = _normal(rng, (rows, D), jnp.bfloat16)
+  w = _normal(rng, (D, vocab), jnp.bfloat16, 0.5)
+  t = jnp.asarray(rng.integers(0, vocab, (rows,)), jnp.int32)
+  g = _normal(rng, (rows,))
+  out = fused(h, w, t)
+  assert_bitwise_equal(out, unfused(h, w, t), what="row blocks: fused vs unfused")
+  dh, _ = grads(h, w, t, g)
+  for part in (slice(4, 5), slice(2, 14)):
+    assert_bitwise_equal(fused(h[part], w, t[part]), out[part], what=f"rows {part} alone")
+    dh_part, _ = grads(h[part], w, t[part], g[part])
+    assert_bitwise_equal(dh_part, dh[part], what=f"dhidden rows {part} alone")
 
 
 def test_fused_equals_unfused_bitwise(data):
@@ -168,9 +198,10 @@ def test_gpu_fused_equals_unfused_and_rows_invariant(vocab):
   """Realistic LM head: fused == unfused bitwise (temperature 1 and 0.7), the first
   rows alone vs the whole batch (1800 rows at V = 151,936, else 300), dhidden rows,
   and dweight unchanged by zero-cotangent rows.
-  At V = 151,936 the whole batch takes the chunk loop and up to 1766 rows the
-  whole vocabulary at once (128,256: all of them), so the first rows compare the
-  two paths. V = 50,257 (odd: always the chunk loop) reads log_softmax's rows at
+  At V = 151,936 the whole batch's forward takes three blocks of 640 rows (the
+  last padded), its gradient the chunk loop, and up to 1766 rows the whole
+  vocabulary at once (128,256: all of them), so the first rows compare the
+  paths. V = 50,257 (odd: always the chunk loop) reads log_softmax's rows at
   an odd pitch and the chunks at an aligned one: pallas_kernels.softmax's
   layout-free row sums."""
   rng = np.random.default_rng(vocab)
