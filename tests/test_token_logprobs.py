@@ -85,6 +85,10 @@ def test_row_blocks_forward():
     assert_bitwise_equal(fused(h[part], w, t[part]), out[part], what=f"rows {part} alone")
     dh_part, _ = grads(h[part], w, t[part], g[part])
     assert_bitwise_equal(dh_part, dh[part], what=f"dhidden rows {part} alone")
+  # Under vmap each half's 7 rows take two blocks of 4 (one row padded).
+  halves = jax.jit(jax.vmap(lambda h, t: jdet.token_logprobs(h, w, t, temperature=TAU)))
+  assert_bitwise_equal(halves(h.reshape(2, rows // 2, D), t.reshape(2, rows // 2)).reshape(rows),
+                       out, what="vmap over two halves in row blocks")
 
 
 def test_fused_equals_unfused_bitwise(data):
