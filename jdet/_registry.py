@@ -46,10 +46,9 @@ import numpy as np
 from jax import lax
 
 import jdet
-from jdet import testing
 from jdet.bench import BenchCase
 from jdet.check import Case
-from jdet.testing import assert_bitwise_equal, random_normal, relative_error
+from jdet.testing import assert_bitwise_equal, bits, random_normal, relative_error
 from jdet.tri_inverse import gdn_chunk_matrices
 
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -448,8 +447,8 @@ def _prefill_decode_chunked(q, k, v):
 def _differing_share(paths) -> float:
   """The share of elements of paths [B, 3, ...] (:func:`_prefill_decode_chunked`)
   whose decode or chunked-prefill bits differ from the whole prefill's."""
-  bits = testing.bits(paths)
-  return float(np.mean(bits[:, 1:] != bits[:, :1]))
+  paths = bits(paths)
+  return float(np.mean(paths[:, 1:] != paths[:, :1]))
 
 
 def _causal_attention_float64(q, k, v):
