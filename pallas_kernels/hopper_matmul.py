@@ -25,8 +25,9 @@ does not divide) moves one 128-byte column tile at a time through an untiled
 view of its shared memory, which takes any 16-byte row pitch
 (:func:`_block_ring`, :func:`takes`). Where the rhs's rows do not start on
 128-byte lines, the plan may run the programs in clusters of two that share each
-rhs block by TMA multicast (``HopperTiles.multicast``). Only 16-bit operands
-(bfloat16, float16).
+rhs block by TMA multicast (``HopperTiles.multicast``). The forward and dA
+may run transposed tiles (``HopperTiles.transposed``), whose row count is
+wgmma's N and so any multiple of 8. Only 16-bit operands (bfloat16, float16).
 """
 
 from __future__ import annotations
@@ -61,7 +62,17 @@ class HopperTiles:
   block is computed by both CTAs. None of it changes the sums. ``throughput``
   is the tile's measured throughput per SM relative to 128 x 128 with both
   operands' rows on 128-byte lines; :meth:`rate` is the one the tile rule
-  (``matmul_plan.mosaic_row_tiles``) weighs."""
+  (``matmul_plan.mosaic_row_tiles``) weighs.
+
+  With ``transposed`` (forward and dA, 16-bit results) a program computes its
+  tile transposed: the rhs's ``block_cols`` columns on wgmma's M side,
+  ``block_n`` (a multiple of 64) per consumer warpgroup, and ``block_m`` result
+  rows on its N side, which takes any multiple of 8 up to 256. The row tile can
+  then follow the row count: 777 rows of a 4096-column result in 8 x 16 tiles of
+  104 x 256, 128 programs on 132 SMs, rather than 7 x 16 of 128 x 256 with 119
+  rows empty and 20 SMs idle. The epilogue transposes each piece back. The products
+  are the same wgmma chains with the operands' roles swapped, so the sums and
+  their bits are those of the plain tiles."""
   block_m: int = 128
   block_n: int = 128
   num_stages: int = 4
@@ -70,11 +81,16 @@ class HopperTiles:
   split_rows: bool = False
   throughput: float = 1.0
   multicast: bool = False
+  transposed: bool = False
 
   def __post_init__(self):
     if self.split_rows and self.block_m != 128:
       raise ValueError(f"split_rows needs block_m = 128 (a wgmma takes 64 rows per "
                        f"warpgroup), got block_m = {self.block_m}")
+    if self.transposed and (self.block_m % 8 or not 8 <= self.block_m <= 256
+                            or self.block_n % 64 or self.split_rows or self.multicast):
+      raise ValueError(f"transposed tiles need block_m a multiple of 8 up to 256, block_n "
+                       f"a multiple of 64, no split_rows and no multicast; got {self}")
 
   @property
   def block_cols(self) -> int:
@@ -94,7 +110,8 @@ class HopperTiles:
     lhs_lines = self.block_m * (1 if lhs_aligned else 2)
     rhs_lines = self.block_cols * (1 if rhs_aligned else 2) / self.cluster_rows
     flop_per_line = self.block_m * self.block_cols / (lhs_lines + rhs_lines)
-    return min(self.throughput, LINE_BOUND * flop_per_line)
+    line_bound = TRANSPOSED_LINE_BOUND if self.transposed else LINE_BOUND
+    return min(self.throughput, line_bound * flop_per_line)
 
   def tile_count(self, rows: int, cols: int) -> int:
     """CTA tiles covering a rows x cols result, a repeated odd last row block
@@ -113,9 +130,12 @@ class HopperTiles:
     return (self.block_m + self.block_cols) * BLOCK_K * jnp.dtype(dtype).itemsize
 
   def reserved_bytes(self, out_dtype) -> int:
-    """The epilogue's output tiles: two per consumer warpgroup, each EPILOGUE_TILE
-    rows of 128 bytes (one swizzled column tile of any ``out_dtype``)."""
+    """The epilogue's output tiles, each a swizzled column tile of 128-byte rows
+    of any ``out_dtype``: two per consumer warpgroup of EPILOGUE_TILE rows, or
+    with ``transposed`` one per consumer warpgroup of ``block_m`` rows."""
     del out_dtype
+    if self.transposed:
+      return 2 * self.block_m * 128
     return 4 * EPILOGUE_TILE * 128
 
 
@@ -142,6 +162,16 @@ ROW_TILES: tuple[HopperTiles, ...] = (
 # at its aligned speed, narrower tiles slower in proportion to their units
 # (benchmarks/results/h100.md, twenty-eighth session).
 LINE_BOUND = TILES.throughput / 64
+# The transposed tiles (forward and dA, 16-bit results), every row count a
+# multiple of 8 from 64 (a wgmma N of 64 or more), their accumulators at most
+# 200 registers a thread: 128 and 256 columns, each with its throughput and
+# line bound fitted to 80 of them timed at ten shapes (benchmarks/results/h100.md,
+# thirty-fourth session).
+TRANSPOSED_TILES: tuple[HopperTiles, ...] = tuple(
+    HopperTiles(block_m, block_n, throughput=throughput, transposed=True)
+    for block_n, throughput, most_rows in ((64, 1.06, 256), (128, 1.12, 200))
+    for block_m in range(64, most_rows + 1, 8))
+TRANSPOSED_LINE_BOUND = 1 / 66
 # Up to this many rows the forward and dA run on the Triton ladder, faster at
 # M = 128 in 8 of the 10 benchmark GEMMs (notes/h100_notebook.md).
 LADDER_ROWS = 128
@@ -210,7 +240,10 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   num_m, num_n = cdiv(rows, bm), cdiv(cols, cta_n)
   num_groups_m = cdiv(num_m, tiles.cluster_rows)  # a cluster's row blocks count as one
   num_tiles = num_groups_m * num_n
-  acc_m, acc_n = (bm // 2, cta_n) if tiles.split_rows else (bm, tiles.block_n)
+  if tiles.transposed:
+    acc_m, acc_n = tiles.block_n, bm  # the rhs's columns x the result's rows
+  else:
+    acc_m, acc_n = (bm // 2, cta_n) if tiles.split_rows else (bm, tiles.block_n)
   program = lax.axis_index("sm")
   cta = lax.axis_index(CLUSTER) if tiles.multicast else 0
 
@@ -233,7 +266,8 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   lhs_tiled, rhs_tiled = tiled(lhs_gmem, lhs_block), tiled(rhs_gmem, rhs_block)
   rings = (_block_ring(lhs_block, dtype, stages, swizzle, tiled=lhs_tiled),
            _block_ring(rhs_block, dtype, stages, swizzle, tiled=rhs_tiled),
-           _block_ring((epi, epi_cols), out_dtype, 4, out_swizzle, tiled=False))
+           _block_ring((bm, epi_cols) if tiles.transposed else (epi, epi_cols), out_dtype,
+                       2 if tiles.transposed else 4, out_swizzle, tiled=False))
   # A slot's copies (lhs and rhs blocks, see _copy_block) arrive on its loaded
   # barrier; both consumers release it.
   copies_per_stage = sum(1 if is_tiled else block[1] // width
@@ -245,8 +279,12 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
               else plgpu.Barrier(num_arrivals=2, num_barriers=stages))
   # A consumer's accumulator takes one wgmma per column tile of an operand
   # block stored as column tiles (TN's lhs by rows, NN's and TN's rhs by columns).
-  piece_m = width if lhs_t and not lhs_tiled else acc_m
-  piece_n = width if not (rhs_t or rhs_tiled) else acc_n
+  if tiles.transposed:
+    piece_m = width if not (rhs_t or rhs_tiled) else acc_m
+    piece_n = acc_n
+  else:
+    piece_m = width if lhs_t and not lhs_tiled else acc_m
+    piece_n = width if not (rhs_t or rhs_tiled) else acc_n
 
   def body(lhs_smem, rhs_smem, out_smem, loaded, consumed):
     (lhs_copies, lhs_mma), (rhs_copies, rhs_mma), (out_copies, out_stage) = (
@@ -256,7 +294,10 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
     @pl.when(wg < 2)
     def _consumer():
       plgpu.set_max_registers(232, action="increase")
-      wg_row0, wg_col0 = ((wg * acc_m, 0) if tiles.split_rows else (0, wg * acc_n))
+      if tiles.transposed:
+        wg_row0, wg_col0 = 0, wg * tiles.block_n
+      else:
+        wg_row0, wg_col0 = ((wg * acc_m, 0) if tiles.split_rows else (0, wg * acc_n))
 
       def lhs_piece(slot, p):
         """Rows p * piece_m.. of this warpgroup's accumulator: [piece_m, BLOCK_K]."""
@@ -274,6 +315,19 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
           return rhs_mma.at[slot, :, pl.ds(wg_col0, acc_n)]
         return rhs_mma.at[slot, wg_col0 // width + q]
 
+      def operands(slot, p, q):
+        """wgmma's A [piece_m, BLOCK_K] and B [BLOCK_K, piece_n] for the
+        accumulator's piece (p, q). A transposed tile swaps the roles: A is
+        this warpgroup's rhs columns p * piece_m.., B all the block's rows."""
+        if not tiles.transposed:
+          return lhs_piece(slot, p), rhs_piece(slot, q)
+        rows_t = lhs_mma.at[slot, 0].transpose((1, 0))
+        if rhs_t:
+          return rhs_mma.at[slot, 0, pl.ds(wg_col0, acc_m)], rows_t
+        if rhs_tiled:
+          return rhs_mma.at[slot, :, pl.ds(wg_col0, acc_m)].transpose((1, 0)), rows_t
+        return rhs_mma.at[slot, wg_col0 // width + p].transpose((1, 0)), rows_t
+
       def consume(j, steps_done):
         tile = program + j * programs
         first_row, first_col = tile_slices(tile)
@@ -288,7 +342,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
                 for q in range(acc_n // piece_n):
                   plgpu.wgmma(acc_ref.at[pl.ds(p * piece_m, piece_m),
                                          pl.ds(q * piece_n, piece_n)],
-                              lhs_piece(slot, p), rhs_piece(slot, q))
+                              *operands(slot, p, q))
               plgpu.wgmma_wait(0)
               plgpu.barrier_arrive(consumed.at[slot])
               return c + 1
@@ -298,6 +352,18 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
           zeros = plgpu.layout_cast(jnp.zeros((acc_m, acc_n), jnp.float32),
                                     plgpu.Layout.WGMMA)
           out = pl.run_state(mainloop)(plgpu.ACC.init(zeros)).astype(out_dtype)
+          if tiles.transposed:
+            for e in range(acc_m // epi_cols):
+              piece = plgpu.layout_cast(out[e * epi_cols:(e + 1) * epi_cols],
+                                        plgpu.Layout.WGMMA_TRANSPOSED)
+              plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+              out_stage.at[wg, 0].transpose((1, 0))[...] = piece
+              plgpu.commit_smem()
+              plgpu.copy_smem_to_gmem(
+                  out_copies.at[wg, 0],
+                  out_gmem.at[pl.ds(first_row, bm),
+                              pl.ds(first_col + wg_col0 + e * epi_cols, epi_cols)])
+            return
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
           for e in range((acc_m // epi) * (acc_n // epi_cols)):
             mi, ni = divmod(e, acc_n // epi_cols)
@@ -407,6 +473,9 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
                      f"{rhs.shape}: see hopper_matmul.takes")
   if not tiles.fits(rows, cols):
     raise ValueError(f"{tiles} does not fit a {rows} x {cols} result (HopperTiles.fits)")
+  if tiles.transposed and (layout is Layout.TN or jnp.dtype(out_dtype).itemsize != 2):
+    raise ValueError(f"transposed tiles take layouts NN and NT and a 16-bit result, got "
+                     f"{layout.name} and {jnp.dtype(out_dtype)}")
   return _launch(lhs, rhs, layout=layout, out_dtype=out_dtype, tiles=tiles, rows=rows,
                  cols=cols, k_steps=cdiv(contraction, BLOCK_K))
 

@@ -169,34 +169,43 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
   if layout is Layout.TN or rows > mosaic.LADDER_ROWS:
     lhs_aligned, rhs_aligned = mosaic.lines_aligned(layout, rows, cols, contraction)
     tiles = mosaic_row_tiles(rows, cols, device.sm_count, lhs_aligned=lhs_aligned,
-                             rhs_aligned=rhs_aligned)
+                             rhs_aligned=rhs_aligned,
+                             transposed=layout is not Layout.TN and out_dtype.itemsize == 2)
   else:
     tiles = None
   return tiles and pallas_triton.fit_stages(tiles, dtype, out_dtype)
 
 
-def mosaic_tile_candidates(rhs_aligned: bool) -> tuple[mosaic.HopperTiles, ...]:
-  """The Mosaic GPU tiles the plan chooses among: the ROW_TILES entries, and
-  where the rhs's rows do not start on 128-byte lines (not ``rhs_aligned``,
-  see ``hopper_matmul.lines_aligned``) also their ``multicast`` twins."""
-  if rhs_aligned:
-    return mosaic.ROW_TILES
-  return mosaic.ROW_TILES + tuple(dataclasses.replace(t, multicast=True)
-                                  for t in mosaic.ROW_TILES)
+def mosaic_tile_candidates(rhs_aligned: bool, transposed: bool = False
+                           ) -> tuple[mosaic.HopperTiles, ...]:
+  """The Mosaic GPU tiles the plan chooses among: the ROW_TILES entries; where
+  the rhs's rows do not start on 128-byte lines (not ``rhs_aligned``, see
+  ``hopper_matmul.lines_aligned``) also their ``multicast`` twins; with
+  ``transposed`` (the forward and dA with a 16-bit result) also the
+  TRANSPOSED_TILES."""
+  candidates = mosaic.ROW_TILES
+  if not rhs_aligned:
+    candidates += tuple(dataclasses.replace(t, multicast=True) for t in mosaic.ROW_TILES)
+  if transposed:
+    candidates += mosaic.TRANSPOSED_TILES
+  return candidates
 
 
 def mosaic_row_tiles(rows: int, cols: int, num_sms: int, *, lhs_aligned: bool = True,
-                     rhs_aligned: bool = True) -> mosaic.HopperTiles | None:
+                     rhs_aligned: bool = True, transposed: bool = False
+                     ) -> mosaic.HopperTiles | None:
   """The tile of :func:`mosaic_tile_candidates` that fits a rows x cols result
   (``HopperTiles.fits``) with the least estimated time, or None if none fits
-  (``*_aligned``: ``hopper_matmul.lines_aligned``). Estimated time:
-  waves x tile area / ``HopperTiles.rate``, where waves = ceil(CTA tiles /
-  SMs); ties go to the plain tile. With a fixed K order no program may take part
-  of another's contraction, so the choice is about filling the last wave."""
+  (``*_aligned``: ``hopper_matmul.lines_aligned``; ``transposed``: whether the
+  transposed tiles may run). Estimated time: waves x tile area /
+  ``HopperTiles.rate``, where waves = ceil(CTA tiles / SMs); ties go to the
+  earlier candidate. With a fixed K order no program may take part of another's
+  contraction, so the choice is about filling the last wave: the transposed
+  tiles' row counts, any multiple of 8, let the tiles fill it closely."""
   def estimated_time(tiles):
     waves = cdiv(tiles.tile_count(rows, cols), num_sms)
     return waves * tiles.block_m * tiles.block_cols / tiles.rate(lhs_aligned, rhs_aligned)
-  return min((t for t in mosaic_tile_candidates(rhs_aligned) if t.fits(rows, cols)),
+  return min((t for t in mosaic_tile_candidates(rhs_aligned, transposed) if t.fits(rows, cols)),
              key=estimated_time, default=None)
 
 

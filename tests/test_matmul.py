@@ -246,7 +246,8 @@ bf16 = jnp.dtype(jnp.bfloat16)
 
 
 def _plan(layout, rows, cols, contraction, dtype=bf16, **options):
-  return matmul_plan.plan(layout, rows, cols, contraction, dtype=dtype, out_dtype=dtype,
+  return matmul_plan.plan(layout, rows, cols, contraction, dtype=dtype,
+                          out_dtype=options.pop("out_dtype", dtype),
                           device=options.pop("device", H100), **options)
 
 
@@ -422,6 +423,45 @@ def test_plan_mosaic_row_tile_rule():
     hopper.HopperTiles(64, 128, split_rows=True)
 
 
+def test_plan_transposed_tile_rule():
+  """Where the plain tiles leave rows or the last wave part empty, the rule
+  (132 SMs) picks the transposed tile whose row count fills the wave: the picks
+  and near-best tiles the H100 timed at mid M (benchmarks/results/h100.md,
+  thirty-fourth section), and the plain tiles where they fill it already. Only
+  the forward and dA with a 16-bit result take transposed tiles."""
+  pick = lambda rows, cols: matmul_plan.mosaic_row_tiles(rows, cols, num_sms=132,
+                                                         transposed=True)
+  shape = lambda t: (t.block_m, t.block_cols, t.transposed)
+  assert shape(pick(777, 4096)) == (104, 256, True)    # 128 tiles for 7 x 16 of 128 x 256
+  assert shape(pick(300, 8192)) == (152, 128, True)
+  assert shape(pick(640, 8192)) == (160, 256, True)
+  assert shape(pick(777, 8192)) == (200, 256, True)
+  assert shape(pick(448, 10240)) == (152, 256, True)
+  assert shape(pick(1536, 1536)) == (144, 128, True)   # 132 tiles, one wave
+  assert shape(pick(2000, 6144)) == (184, 256, True)
+  assert pick(8192, 4096) == hopper.TILES               # 8 full waves of 128 x 256
+  assert pick(200, 4096) == hopper.ROW_TILES[4]         # 128 tiles of 64 x 128
+  assert all(8 <= t.block_m <= 256 and t.block_m % 8 == 0 and t.block_n % 64 == 0
+             and t.block_n * t.block_m <= 128 * 200 for t in hopper.TRANSPOSED_TILES)
+  assert _plan(Layout.NN, 777, 4096, 4096).tiles.transposed
+  assert _plan(Layout.NT, 777, 4096, 4096).tiles.transposed
+  assert not _plan(Layout.NN, 777, 4096, 4096, out_dtype=jnp.float32).tiles.transposed
+  for rows in (304, 776, 4096):
+    for cols in (1536, 4096):
+      db_plan = _plan(Layout.TN, rows, cols, 777)
+      assert db_plan.kernel is Kernel.MOSAIC_GPU and not db_plan.tiles.transposed
+  with pytest.raises(ValueError, match="transposed tiles need"):
+    hopper.HopperTiles(60, 64, transposed=True)
+  with pytest.raises(ValueError, match="transposed tiles need"):
+    hopper.HopperTiles(128, 96, split_rows=True, transposed=True)
+  sd = jax.ShapeDtypeStruct
+  tiles = kernels.fit_stages(pick(777, 4096), bf16, bf16)
+  for layout, out_dtype in ((Layout.TN, bf16), (Layout.NN, jnp.float32)):
+    gemm = functools.partial(hopper.matmul, layout=layout, out_dtype=out_dtype, tiles=tiles)
+    with pytest.raises(ValueError, match="transposed tiles take layouts NN and NT"):
+      jax.jit(gemm).trace(sd((777, 4096), bf16), sd((777, 4096), bf16))
+
+
 def test_mosaic_kernel_rejects_sizes_it_does_not_take():
   """A row pitch TMA cannot take (an operand's or the result's minor dimension
   not a multiple of 8) is a ValueError at trace time, before any kernel."""
@@ -440,10 +480,11 @@ def test_mosaic_kernel_rejects_sizes_it_does_not_take():
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU tests compile the kernel for real")
 def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
-  """Each Mosaic GPU tile and its multicast twin lowers for an H100 (132 SMs) in
-  each layout, with operand blocks copied whole (tiled: 64-aligned weight
-  columns, a token count that 8 divides) and one column tile at a time (1000
-  weight columns, 301 tokens), and a contraction that 64 does not divide."""
+  """Each Mosaic GPU tile, its multicast twin and the sampled transposed tiles
+  (forward and dA) lower for an H100 (132 SMs) in each layout, with operand
+  blocks copied whole (tiled: 64-aligned weight columns, a token count that 8
+  divides) and one column tile at a time (1000 weight columns, 301 tokens), and
+  a contraction that 64 does not divide."""
   if not cuda_lowering_available():
     pytest.skip("jax's CUDA lowering is not installed")
   h100 = type("H100", (), {"core_count": 132})()
@@ -453,8 +494,10 @@ def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
               (Layout.NT, (999, 1000), (3000, 1000)), (Layout.TN, (304, 1024), (304, 1000)),
               (Layout.TN, (301, 1000), (301, 1024))]
   for layout, lhs, rhs in operands:
-    for tiles in matmul_plan.mosaic_tile_candidates(rhs_aligned=False):
-      tiles = kernels.fit_stages(tiles, bf16, bf16)
+    candidates = matmul_plan.mosaic_tile_candidates(rhs_aligned=False,
+                                                    transposed=layout is not Layout.TN)
+    for tiles in _sampled(matmul_plan.Plan(Kernel.MOSAIC_GPU, t) for t in candidates):
+      tiles = kernels.fit_stages(tiles.tiles, bf16, bf16)
       gemm = functools.partial(hopper.matmul, layout=layout, out_dtype=bf16, tiles=tiles)
       jax.jit(gemm).trace(sd(lhs, bf16), sd(rhs, bf16)).lower(lowering_platforms=("cuda",))
 
@@ -480,9 +523,27 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
   if matmul_plan.plan(layout, rows, cols, contraction, dtype=dtype, out_dtype=dtype,
                       device=device).kernel is Kernel.MOSAIC_GPU:
     _, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
+    candidates = matmul_plan.mosaic_tile_candidates(
+        rhs_aligned, transposed=layout is not Layout.TN and jnp.dtype(dtype).itemsize == 2)
     plans += [matmul_plan.Plan(Kernel.MOSAIC_GPU, kernels.fit_stages(t, dtype, dtype))
-              for t in matmul_plan.mosaic_tile_candidates(rhs_aligned) if t.fits(rows, cols)]
+              for t in candidates if t.fits(rows, cols)]
   return plans
+
+
+# The transposed tiles' row counts the GPU envelope runs: the smallest and the
+# largest, the last with four stages (at 256 columns) and two between. A
+# transposed tile's row count is wgmma's N, which changes no sum; 80 of these
+# tiles at ten shapes gave the plain tiles' bits (benchmarks/results/h100.md,
+# thirty-fourth session), so the envelope samples them rather than compiling
+# each of the 43 at full size.
+TRANSPOSED_SAMPLE_ROWS = (64, 104, 128, 152, 200, 256)
+
+
+def _sampled(plans):
+  """``plans`` without the transposed Mosaic GPU tiles whose row count is not in
+  TRANSPOSED_SAMPLE_ROWS."""
+  return [p for p in plans if not getattr(p.tiles, "transposed", False)
+          or p.tiles.block_m in TRANSPOSED_SAMPLE_ROWS]
 
 
 def test_envelope_plan_list_holds_every_plan_choice():
@@ -530,7 +591,7 @@ def _gpu_every_kernel_agrees(k, n, dtype=jnp.bfloat16):
     rows = lhs.shape[1] if layout is Layout.TN else lhs.shape[0]
     cols = rhs.shape[0] if layout is Layout.NT else rhs.shape[1]
     contraction = lhs.shape[0] if layout is Layout.TN else lhs.shape[1]
-    plans = _every_plan(layout, rows, cols, contraction, jnp.dtype(dtype))
+    plans = _sampled(_every_plan(layout, rows, cols, contraction, jnp.dtype(dtype)))
     if (k, n) not in EVERY_PLAN_KN:  # dB's plan sees the weight's sizes, not the token count
       taken = ({_plan(layout, rows, cols, contraction, device=None)} if layout is Layout.TN
                else _plans_taken(GPU_SWEEP_ROWS, cols, contraction, layout))
@@ -550,11 +611,13 @@ def _gpu_every_kernel_agrees(k, n, dtype=jnp.bfloat16):
 def test_gpu_invariance_envelope_every_kernel(k, n):
   """Every kernel and tile the plan can choose gives the same bits at full size,
   forward, dA and dB, and every plan jdet.matmul takes for M from 1 to 16411 gives
-  a prefix of them (each at the smallest M that takes it, plus edge sizes)."""
+  a prefix of them (each at the smallest M that takes it, plus edge sizes); of the
+  transposed Mosaic GPU tiles, those at TRANSPOSED_SAMPLE_ROWS."""
   a, b, g, forward, da_reference, db_reference = _gpu_every_kernel_agrees(k, n)
+  taken = [_plans_taken(GPU_SWEEP_ROWS, n, k, Layout.NN), _plans_taken(GPU_SWEEP_ROWS, k, n,
+                                                                       Layout.NT)]
   sizes = sorted({1, 7, 777, 4097, GPU_SWEEP_ROWS}
-                 | set(_plans_taken(GPU_SWEEP_ROWS, n, k, Layout.NN).values())
-                 | set(_plans_taken(GPU_SWEEP_ROWS, k, n, Layout.NT).values()))
+                 | {plans[p] for plans in taken for p in _sampled(plans)})
   for m in sizes:
     assert_bitwise_equal(mm(a[:m], b), forward[:m], what=f"forward M={m}")
     assert_bitwise_equal(mm_da(a[:m], b, g[:m]), da_reference[:m], what=f"dA M={m}")
