@@ -432,7 +432,7 @@ def test_plan_transposed_tile_rule():
   pick = lambda rows, cols: matmul_plan.mosaic_row_tiles(rows, cols, num_sms=132,
                                                          transposed=True)
   shape = lambda t: (t.block_m, t.block_cols, t.transposed)
-  assert shape(pick(777, 4096)) == (104, 256, True)    # 128 tiles for 7 x 16 of 128 x 256
+  assert shape(pick(777, 4096)) == (200, 128, True)    # 128 tiles for 7 x 16 of 128 x 256
   assert shape(pick(300, 8192)) == (152, 128, True)
   assert shape(pick(640, 8192)) == (160, 256, True)
   assert shape(pick(777, 8192)) == (200, 256, True)
@@ -441,8 +441,12 @@ def test_plan_transposed_tile_rule():
   assert shape(pick(2000, 6144)) == (184, 256, True)
   assert pick(8192, 4096) == hopper.TILES               # 8 full waves of 128 x 256
   assert pick(200, 4096) == hopper.ROW_TILES[4]         # 128 tiles of 64 x 128
-  assert all(8 <= t.block_m <= 256 and t.block_m % 8 == 0 and t.block_n % 64 == 0
-             and t.block_n * t.block_m <= 128 * 200 for t in hopper.TRANSPOSED_TILES)
+  assert shape(pick(300, 4096)) == (80, 128, True)
+  assert shape(pick(200, 5120)) == (72, 128, True)     # 120 tiles for 80 of 128 x 128
+  plain_shapes = {(t.block_m, t.block_cols) for t in hopper.ROW_TILES}
+  assert all(64 <= t.block_m <= 256 and t.block_m % 8 == 0 and t.block_n % 64 == 0
+             and t.block_n * t.block_m <= 128 * 200
+             and (t.block_m, t.block_cols) not in plain_shapes for t in hopper.TRANSPOSED_TILES)
   assert _plan(Layout.NN, 777, 4096, 4096).tiles.transposed
   assert _plan(Layout.NT, 777, 4096, 4096).tiles.transposed
   assert not _plan(Layout.NN, 777, 4096, 4096, out_dtype=jnp.float32).tiles.transposed
@@ -531,12 +535,12 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
 
 
 # The transposed tiles' row counts the GPU envelope runs: the smallest and the
-# largest, the last with four stages (at 256 columns) and two between. A
-# transposed tile's row count is wgmma's N, which changes no sum; 80 of these
-# tiles at ten shapes gave the plain tiles' bits (benchmarks/results/h100.md,
-# thirty-fourth session), so the envelope samples them rather than compiling
-# each of the 43 at full size.
-TRANSPOSED_SAMPLE_ROWS = (64, 104, 128, 152, 200, 256)
+# largest, and between them tiles of 6, 5, 4 and 3 stages. A transposed tile's
+# row count is wgmma's N, which changes no sum; 118 of these tiles at eleven
+# shapes gave the plain tiles' bits (benchmarks/results/h100.md, thirty-fourth
+# session), so the envelope samples them rather than compiling each of the 39
+# at full size.
+TRANSPOSED_SAMPLE_ROWS = (72, 104, 152, 200, 256)
 
 
 def _sampled(plans):
