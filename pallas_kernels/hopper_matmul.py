@@ -110,7 +110,8 @@ class HopperTiles:
     lhs_lines = self.block_m * (1 if lhs_aligned else 2)
     rhs_lines = self.block_cols * (1 if rhs_aligned else 2) / self.cluster_rows
     flop_per_line = self.block_m * self.block_cols / (lhs_lines + rhs_lines)
-    return min(self.throughput, LINE_BOUND * flop_per_line)
+    line_bound = TRANSPOSED_LINE_BOUND if self.transposed else LINE_BOUND
+    return min(self.throughput, line_bound * flop_per_line)
 
   def tile_count(self, rows: int, cols: int) -> int:
     """CTA tiles covering a rows x cols result, a repeated odd last row block
@@ -166,13 +167,15 @@ LINE_BOUND = TILES.throughput / 64
 # 256 columns with 4, fewer where shared memory runs out; every row count a
 # multiple of 8 from 64 (a wgmma N of 64 or more) that no ROW_TILES entry of the
 # same columns has, their accumulators at most 200 registers a thread. Their
-# throughputs, and LINE_BOUND below the cap, fit 118 of them timed at eleven
-# shapes (benchmarks/results/h100.md, thirty-fourth session).
+# throughputs, and TRANSPOSED_LINE_BOUND below the cap, fit those timed at the
+# grid's shapes (benchmarks/results/h100.md, thirty-fourth session): mostly grids
+# of one wave, whose tiles pay their pipeline's fill and their epilogue once.
 TRANSPOSED_TILES: tuple[HopperTiles, ...] = tuple(
     HopperTiles(block_m, block_n, num_stages, throughput=throughput, transposed=True)
     for block_n, num_stages, throughput, most_rows in ((64, 6, 1.08, 256), (128, 4, 1.12, 200))
     for block_m in range(64, most_rows + 1, 8)
     if (block_m, 2 * block_n) not in {(t.block_m, t.block_cols) for t in ROW_TILES})
+TRANSPOSED_LINE_BOUND = 1 / 66
 # Up to this many rows the forward and dA run on the Triton ladder, faster at
 # M = 128 in 8 of the 10 benchmark GEMMs (notes/h100_notebook.md).
 LADDER_ROWS = 128
