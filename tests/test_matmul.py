@@ -426,7 +426,7 @@ def test_plan_mosaic_row_tile_rule():
 def test_plan_transposed_tile_rule():
   """Where the plain tiles leave rows or the last wave part empty, the rule
   (132 SMs) picks the transposed tile whose row count fills the wave: the picks
-  and near-best tiles the H100 timed at mid M (benchmarks/results/h100.md,
+  the H100 timed fastest at mid M (benchmarks/results/h100.md,
   thirty-fourth section), and the plain tiles where they fill it already. Only
   the forward and dA with a 16-bit result take transposed tiles."""
   pick = lambda rows, cols: matmul_plan.mosaic_row_tiles(rows, cols, num_sms=132,
@@ -536,7 +536,7 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
 
 # The transposed tiles' row counts the GPU envelope runs: the smallest and the
 # largest, and between them tiles of 6, 5, 4 and 3 stages. A transposed tile's
-# row count is wgmma's N, which changes no sum; 118 of these tiles at eleven
+# row count is wgmma's N, which changes no sum: 148 runs of these tiles at 21
 # shapes gave the plain tiles' bits (benchmarks/results/h100.md, thirty-fourth
 # session), so the envelope samples them rather than compiling each of the 39
 # at full size.
