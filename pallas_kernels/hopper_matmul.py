@@ -104,7 +104,8 @@ class HopperTiles:
 
   def rate(self, lhs_aligned: bool, rhs_aligned: bool) -> float:
     """Throughput per SM relative to 128 x 128: ``throughput``, capped by the
-    operand lines a step takes in per FLOP (``LINE_BOUND``). A 128-byte TMA box
+    operand lines a step takes in per FLOP (``LINE_BOUND``, for transposed tiles
+    ``TRANSPOSED_LINE_BOUND``). A 128-byte TMA box
     row costs one line where the operand's rows start on lines (``*_aligned``,
     :func:`lines_aligned`), two otherwise; multicast halves the rhs's share."""
     lhs_lines = self.block_m * (1 if lhs_aligned else 2)
