@@ -424,6 +424,12 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
                 collective_axes="wg")
 
 
+def transposed_takes(layout: Layout, out_dtype) -> bool:
+  """Whether transposed tiles (``HopperTiles.transposed``) take a GEMM in
+  ``layout`` with an ``out_dtype`` result: the forward and dA (NN, NT), 16-bit."""
+  return layout is not Layout.TN and jnp.dtype(out_dtype).itemsize == 2
+
+
 # TMA moves rows whose pitch is a multiple of 16 bytes: 8 elements of a 16-bit
 # operand (and of the result, which is no wider).
 TMA_PITCH = 8
@@ -478,7 +484,7 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
                      f"{rhs.shape}: see hopper_matmul.takes")
   if not tiles.fits(rows, cols):
     raise ValueError(f"{tiles} does not fit a {rows} x {cols} result (HopperTiles.fits)")
-  if tiles.transposed and (layout is Layout.TN or jnp.dtype(out_dtype).itemsize != 2):
+  if tiles.transposed and not transposed_takes(layout, out_dtype):
     raise ValueError(f"transposed tiles take layouts NN and NT and a 16-bit result, got "
                      f"{layout.name} and {jnp.dtype(out_dtype)}")
   return _launch(lhs, rhs, layout=layout, out_dtype=out_dtype, tiles=tiles, rows=rows,

@@ -170,7 +170,7 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
     lhs_aligned, rhs_aligned = mosaic.lines_aligned(layout, rows, cols, contraction)
     tiles = mosaic_row_tiles(rows, cols, device.sm_count, lhs_aligned=lhs_aligned,
                              rhs_aligned=rhs_aligned,
-                             transposed=layout is not Layout.TN and out_dtype.itemsize == 2)
+                             transposed=mosaic.transposed_takes(layout, out_dtype))
   else:
     tiles = None
   return tiles and pallas_triton.fit_stages(tiles, dtype, out_dtype)

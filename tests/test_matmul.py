@@ -498,10 +498,10 @@ def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
               (Layout.NT, (999, 1000), (3000, 1000)), (Layout.TN, (304, 1024), (304, 1000)),
               (Layout.TN, (301, 1000), (301, 1024))]
   for layout, lhs, rhs in operands:
-    candidates = matmul_plan.mosaic_tile_candidates(rhs_aligned=False,
-                                                    transposed=layout is not Layout.TN)
-    for tiles in _sampled(matmul_plan.Plan(Kernel.MOSAIC_GPU, t) for t in candidates):
-      tiles = kernels.fit_stages(tiles.tiles, bf16, bf16)
+    candidates = matmul_plan.mosaic_tile_candidates(
+        rhs_aligned=False, transposed=hopper.transposed_takes(layout, bf16))
+    for candidate in _sampled(matmul_plan.Plan(Kernel.MOSAIC_GPU, t) for t in candidates):
+      tiles = kernels.fit_stages(candidate.tiles, bf16, bf16)
       gemm = functools.partial(hopper.matmul, layout=layout, out_dtype=bf16, tiles=tiles)
       jax.jit(gemm).trace(sd(lhs, bf16), sd(rhs, bf16)).lower(lowering_platforms=("cuda",))
 
@@ -528,7 +528,7 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
                       device=device).kernel is Kernel.MOSAIC_GPU:
     _, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
     candidates = matmul_plan.mosaic_tile_candidates(
-        rhs_aligned, transposed=layout is not Layout.TN and jnp.dtype(dtype).itemsize == 2)
+        rhs_aligned, transposed=hopper.transposed_takes(layout, dtype))
     plans += [matmul_plan.Plan(Kernel.MOSAIC_GPU, kernels.fit_stages(t, dtype, dtype))
               for t in candidates if t.fits(rows, cols)]
   return plans
