@@ -177,6 +177,15 @@ TRANSPOSED_TILES: tuple[HopperTiles, ...] = tuple(
     for block_m in range(64, most_rows + 1, 8)
     if (block_m, 2 * block_n) not in {(t.block_m, t.block_cols) for t in ROW_TILES})
 TRANSPOSED_LINE_BOUND = 1 / 66
+# Up to this contraction the tiles walk strips COLUMN_STRIP_WIDTH tile columns
+# wide down the rows where the result has more tile columns than tile rows
+# (matmul_plan.mosaic_strips). Timed on the H100 (benchmarks/results/h100.md,
+# thirty-fifth session): dB over 300 tokens into the LM heads 7-9% faster and
+# into 3584 x 37,888 6%, over 512 into 4096 x 28,672 3%, a forward over K = 256
+# 3%; over 640 tokens even, over 1024-2048 column strips cost 2-9%. Width 4
+# beat 8 at each of four shapes.
+SHORT_CONTRACTION = 512
+COLUMN_STRIP_WIDTH = 4
 # Up to this many rows the forward and dA run on the Triton ladder, faster at
 # M = 128 in 8 of the 10 benchmark GEMMs (notes/h100_notebook.md).
 LADDER_ROWS = 128

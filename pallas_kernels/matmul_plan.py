@@ -173,7 +173,27 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
                              transposed=mosaic.transposed_takes(layout, out_dtype))
   else:
     tiles = None
-  return tiles and pallas_triton.fit_stages(tiles, dtype, out_dtype)
+  return tiles and pallas_triton.fit_stages(mosaic_strips(tiles, rows, cols, contraction),
+                                            dtype, out_dtype)
+
+
+def mosaic_strips(tiles: mosaic.HopperTiles, rows: int, cols: int, contraction: int
+                  ) -> mosaic.HopperTiles:
+  """``tiles`` with the order its programs take a rows x cols result's tiles in
+  (``HopperTiles.strip_dim`` and ``strip_width``; the order changes no sum).
+
+  The tiles' own order, strips of row tiles walked across the columns, suits a
+  contraction long enough to keep the tensor cores busy. Over a short one (at
+  most ``hopper_matmul.SHORT_CONTRACTION``: dB over a few hundred tokens) a
+  program's work is a few steps, and the kernel is bound by moving the rhs and
+  the result. Where the result has more tile columns than tile rows, row strips
+  re-read the whole rhs once per strip; strips ``COLUMN_STRIP_WIDTH`` tile
+  columns wide, walked down the rows, read each rhs block about once while it
+  is hot in L2."""
+  short = contraction <= mosaic.SHORT_CONTRACTION
+  if short and cdiv(cols, tiles.block_cols) > cdiv(rows, tiles.block_m):
+    return dataclasses.replace(tiles, strip_dim=1, strip_width=mosaic.COLUMN_STRIP_WIDTH)
+  return tiles
 
 
 def mosaic_tile_candidates(rhs_aligned: bool, transposed: bool = False

@@ -326,6 +326,12 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
   smaller than one of its tiles and 16-byte row pitches (every operand's and the
   result's minor dimension a multiple of 8): the forward and dA above LADDER_ROWS
   rows, dB whatever the token count."""
+  def rows_first(plan):
+    if plan.kernel is not Kernel.MOSAIC_GPU:
+      return plan
+    return dataclasses.replace(plan, tiles=dataclasses.replace(plan.tiles, strip_dim=0,
+                                                               strip_width=8))
+
   for layout in Layout:
     for rows in (1, 64, 128, 129, 192, 300, 777, 1000, 1001, 4096):
       for cols in (64, 128, 192, 320, 1000, 1004, 1024, 4096, 13824):
@@ -334,7 +340,8 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
           if layout is Layout.TN:
             mosaic_fits = (rows % 8 == 0 and cols % 8 == 0
                            and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
-            assert chosen == _plan(layout, rows, cols, 1), "dB's plan sees the token count"
+            assert rows_first(chosen) == rows_first(_plan(layout, rows, cols, 1)), (
+                "dB's tile sees the token count (only its strip order may)")
           else:
             mosaic_fits = (rows > hopper.LADDER_ROWS and cols % 8 == 0 and contraction % 8 == 0
                            and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
@@ -466,6 +473,24 @@ def test_plan_transposed_tile_rule():
       jax.jit(gemm).trace(sd((777, 4096), bf16), sd((777, 4096), bf16))
 
 
+def test_plan_short_contraction_strip_rule():
+  """Over a contraction of at most SHORT_CONTRACTION, a result with more tile
+  columns than tile rows is walked in column strips (``mosaic_strips``): dB over
+  a few hundred tokens into a wide weight; a tall weight, a longer contraction and
+  a result with fewer tile columns keep the row strips."""
+  strips = lambda layout, rows, cols, contraction: (
+      lambda t: (t.strip_dim, t.strip_width))(_plan(layout, rows, cols, contraction).tiles)
+  columns, rows_first = (1, hopper.COLUMN_STRIP_WIDTH), (0, 8)
+  assert strips(Layout.TN, 4096, 128256, 300) == strips(Layout.TN, 3584, 37888, 300) == columns
+  assert strips(Layout.TN, 4096, 28672, hopper.SHORT_CONTRACTION) == columns
+  assert strips(Layout.TN, 4096, 28672, hopper.SHORT_CONTRACTION + 1) == rows_first
+  assert strips(Layout.TN, 14336, 4096, 300) == strips(Layout.TN, 4096, 6144, 300) == rows_first
+  assert strips(Layout.NN, 4096, 28672, 256) == columns
+  tiles = hopper.TILES
+  assert matmul_plan.mosaic_strips(tiles, 4096, 4096, 300) == tiles  # 32 tile rows, 16 columns
+  assert matmul_plan.mosaic_strips(tiles, 4096, 4096 * 3, 4096) == tiles
+
+
 def test_mosaic_kernel_rejects_sizes_it_does_not_take():
   """A row pitch TMA cannot take (an operand's or the result's minor dimension
   not a multiple of 8) is a ValueError at trace time, before any kernel."""
@@ -529,7 +554,8 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
     _, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
     candidates = matmul_plan.mosaic_tile_candidates(
         rhs_aligned, transposed=hopper.transposed_takes(layout, dtype))
-    plans += [matmul_plan.Plan(Kernel.MOSAIC_GPU, kernels.fit_stages(t, dtype, dtype))
+    plans += [matmul_plan.Plan(Kernel.MOSAIC_GPU, kernels.fit_stages(
+                  matmul_plan.mosaic_strips(t, rows, cols, contraction), dtype, dtype))
               for t in candidates if t.fits(rows, cols)]
   return plans
 
@@ -557,7 +583,7 @@ def test_envelope_plan_list_holds_every_plan_choice():
   for layout, groups in itertools.product(Layout, (1, 8)):
     for rows in (1, 16, 64, 129, 300, 1000, 4096):
       for cols in (192, 1000, 3000, 4096, 32000):
-        for contraction in (1000, 3000, 4096):
+        for contraction in (300, 1000, 3000, 4096):
           chosen = _plan(layout, rows, cols, contraction, groups=groups)
           assert chosen in _every_plan(layout, rows, cols, contraction, bf16, device=H100), (
               layout, groups, rows, cols, contraction, chosen)
@@ -646,6 +672,25 @@ def test_gpu_db_deterministic_and_unchanged_by_zero_cotangent_rows(k, n):
     zero_rows = jnp.concatenate([g[:m], jnp.zeros_like(g[m:])])
     _, db_padded = mm_grads(a, b, zero_rows)
     assert_bitwise_equal(db_padded, db, what=f"dB, M={m} plus {total - m} zero-cotangent rows")
+
+
+@pytest.mark.gpu
+def test_gpu_column_strips_give_the_row_strips_bits():
+  """A short contraction into a wide result walks column strips
+  (``matmul_plan.mosaic_strips``): dB over 300 tokens and a forward over 256
+  give the bits of the row strips."""
+  rng = np.random.default_rng(9)
+  for layout, (contraction, rows, cols) in ((Layout.TN, (300, 1024, 8192)),
+                                            (Layout.NN, (256, 1024, 8192))):
+    lhs_shape = (contraction, rows) if layout is Layout.TN else (rows, contraction)
+    lhs = random_normal(rng, lhs_shape, jnp.bfloat16)[None]
+    rhs = random_normal(rng, (contraction, cols), jnp.bfloat16)[None]
+    plan = _plan(layout, rows, cols, contraction, device=None)
+    assert (plan.tiles.strip_dim, plan.tiles.strip_width) == (1, hopper.COLUMN_STRIP_WIDTH)
+    rows_first = dataclasses.replace(plan, tiles=dataclasses.replace(plan.tiles, strip_dim=0,
+                                                                     strip_width=8))
+    run = lambda p: matmul_plan.launch(p, lhs, rhs, layout=layout, out_dtype=jnp.bfloat16)
+    assert_bitwise_equal(run(plan), run(rows_first), what=f"{layout.name} column strips")
 
 
 @pytest.mark.gpu
