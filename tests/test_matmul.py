@@ -251,6 +251,18 @@ def _plan(layout, rows, cols, contraction, dtype=bf16, **options):
                           device=options.pop("device", H100), **options)
 
 
+DEFAULT_STRIPS = hopper.HopperTiles()  # the tiles' own order: strips of row tiles
+
+
+def _in_row_strips(plan):
+  """``plan`` with a Mosaic GPU tile's strip order set back to the tiles' own
+  (``matmul_plan.mosaic_strips`` may change it; the order changes no sum)."""
+  if plan.kernel is not Kernel.MOSAIC_GPU:
+    return plan
+  return dataclasses.replace(plan, tiles=dataclasses.replace(
+      plan.tiles, strip_dim=DEFAULT_STRIPS.strip_dim, strip_width=DEFAULT_STRIPS.strip_width))
+
+
 def test_plan_interpret_and_backend_choices():
   """Interpret mode: one tile for every GEMM; backend="triton": jax-triton with the
   tiles Pallas Triton would use; float32 and grouped GEMMs: Pallas Triton."""
@@ -326,12 +338,6 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
   smaller than one of its tiles and 16-byte row pitches (every operand's and the
   result's minor dimension a multiple of 8): the forward and dA above LADDER_ROWS
   rows, dB whatever the token count."""
-  def rows_first(plan):
-    if plan.kernel is not Kernel.MOSAIC_GPU:
-      return plan
-    return dataclasses.replace(plan, tiles=dataclasses.replace(plan.tiles, strip_dim=0,
-                                                               strip_width=8))
-
   for layout in Layout:
     for rows in (1, 64, 128, 129, 192, 300, 777, 1000, 1001, 4096):
       for cols in (64, 128, 192, 320, 1000, 1004, 1024, 4096, 13824):
@@ -340,7 +346,7 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
           if layout is Layout.TN:
             mosaic_fits = (rows % 8 == 0 and cols % 8 == 0
                            and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
-            assert rows_first(chosen) == rows_first(_plan(layout, rows, cols, 1)), (
+            assert _in_row_strips(chosen) == _in_row_strips(_plan(layout, rows, cols, 1)), (
                 "dB's tile sees the token count (only its strip order may)")
           else:
             mosaic_fits = (rows > hopper.LADDER_ROWS and cols % 8 == 0 and contraction % 8 == 0
@@ -480,7 +486,8 @@ def test_plan_short_contraction_strip_rule():
   a result with fewer tile columns keep the row strips."""
   strips = lambda layout, rows, cols, contraction: (
       lambda t: (t.strip_dim, t.strip_width))(_plan(layout, rows, cols, contraction).tiles)
-  columns, rows_first = (1, hopper.COLUMN_STRIP_WIDTH), (0, 8)
+  columns = (1, hopper.COLUMN_STRIP_WIDTH)
+  rows_first = (DEFAULT_STRIPS.strip_dim, DEFAULT_STRIPS.strip_width)
   assert strips(Layout.TN, 4096, 128256, 300) == strips(Layout.TN, 3584, 37888, 300) == columns
   assert strips(Layout.TN, 4096, 28672, hopper.SHORT_CONTRACTION) == columns
   assert strips(Layout.TN, 4096, 28672, hopper.SHORT_CONTRACTION + 1) == rows_first
@@ -687,10 +694,8 @@ def test_gpu_column_strips_give_the_row_strips_bits():
     rhs = random_normal(rng, (contraction, cols), jnp.bfloat16)[None]
     plan = _plan(layout, rows, cols, contraction, device=None)
     assert (plan.tiles.strip_dim, plan.tiles.strip_width) == (1, hopper.COLUMN_STRIP_WIDTH)
-    rows_first = dataclasses.replace(plan, tiles=dataclasses.replace(plan.tiles, strip_dim=0,
-                                                                     strip_width=8))
     run = lambda p: matmul_plan.launch(p, lhs, rhs, layout=layout, out_dtype=jnp.bfloat16)
-    assert_bitwise_equal(run(plan), run(rows_first), what=f"{layout.name} column strips")
+    assert_bitwise_equal(run(plan), run(_in_row_strips(plan)), what=f"{layout.name} column strips")
 
 
 @pytest.mark.gpu
