@@ -419,7 +419,9 @@ def test_plan_mosaic_row_tile_rule():
   assert not any(pick(m, n).multicast for m in (129, 300, 1000, 4096) for n in (256, 4096))
   # Operand rows off the 128-byte lines cap the rate (HopperTiles.rate); an rhs's
   # tiles get multicast twins, unless the repeated odd row block costs a wave
-  # (300 x 3000: 120 plain 64 x 128 tiles, 144 paired).
+  # (300 x 3000: 120 plain 64 x 128 tiles, 144 paired). There the plain 64 x 128
+  # ties with the paired 128 x 128 (both read 384 lines a step), and a tie goes to
+  # the tile without multicast (9% faster on the H100).
   assert all(t.rate(True, True) == t.throughput for t in hopper.ROW_TILES)
   misaligned = lambda rows, cols: matmul_plan.mosaic_row_tiles(
       rows, cols, num_sms=132, lhs_aligned=False, rhs_aligned=False)
@@ -456,6 +458,10 @@ def test_plan_transposed_tile_rule():
   assert pick(200, 4096) == hopper.ROW_TILES[4]         # 128 tiles of 64 x 128
   assert shape(pick(300, 4096)) == (80, 128, True)
   assert shape(pick(200, 5120)) == (72, 128, True)     # 120 tiles for 80 of 128 x 128
+  # Tied estimates go to the largest tile: 57 waves of 200 x 256 over 95 of 120 x 256
+  # (8% faster on a 3000-row LM head), 2 of 168 x 256 over 3 of 112 x 256 (7%).
+  assert shape(pick(3000, 128256)) == (200, 256, True)
+  assert shape(pick(1000, 10240)) == (168, 256, True)
   plain_shapes = {(t.block_m, t.block_cols) for t in hopper.ROW_TILES}
   assert all(64 <= t.block_m <= 256 and t.block_m % 8 == 0 and t.block_n % 64 == 0
              and t.block_n * t.block_m <= 128 * 200
