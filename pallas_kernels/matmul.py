@@ -84,8 +84,10 @@ class MatmulTiles:
 # never do. Every entry gave the same bits as every other; the sweeps that chose
 # them are in notes/h100_notebook.md, "GEMM tile sweep" and "deeper pipelines
 # for one-wave grids" (`benchmarks/tune_matmul.py`), and in
-# benchmarks/results/h100.md, twenty-eighth session ("the GEMV": 16 x 128) and
-# twenty-ninth ("the Triton ladder's rule": 64 x 32, 16 x 16 and the rule).
+# benchmarks/results/h100.md, twenty-eighth session ("the GEMV": 16 x 128),
+# twenty-ninth ("the Triton ladder's rule": 64 x 32, 16 x 16 and the rule) and
+# thirty-sixth (64 x 16, after 16 x 64 of the same area so that ties above 64
+# rows, where it loses, go to 16 x 64).
 GPU_MATMUL_LADDER: tuple[MatmulTiles, ...] = (
     MatmulTiles(128, 256, 8, 3),                        # M >= 1024
     MatmulTiles(128, 128, 8, 3, one_wave_stages=5),     # M = 256 with wide results
@@ -94,6 +96,7 @@ GPU_MATMUL_LADDER: tuple[MatmulTiles, ...] = (
     MatmulTiles(64, 32, 4, 6, one_wave_stages=10),      # M = 17-128, narrow results
     MatmulTiles(16, 128, 4, 4, one_wave_stages=6),      # M <= 16, results >= 10240 wide
     MatmulTiles(16, 64, 4, 5, one_wave_stages=10),      # M <= 16, wide results
+    MatmulTiles(64, 16, 4, 10),                         # M = 17-64, 1000-2048 columns
     MatmulTiles(16, 32, 4, 6, one_wave_stages=12),      # M <= 16, 4096-column results
     MatmulTiles(16, 16, 2, 10),                         # M <= 16, narrow results
 )
