@@ -96,7 +96,7 @@ GPU_MATMUL_LADDER: tuple[MatmulTiles, ...] = (
     MatmulTiles(64, 32, 4, 6, one_wave_stages=10),      # M = 17-128, narrow results
     MatmulTiles(16, 128, 4, 4, one_wave_stages=6),      # M <= 16, results >= 10240 wide
     MatmulTiles(16, 64, 4, 5, one_wave_stages=10),      # M <= 16, wide results
-    MatmulTiles(64, 16, 4, 10),                         # M = 17-64, 1000-2048 columns
+    MatmulTiles(64, 16, 4, 10),                         # M = 17-64, narrow results
     MatmulTiles(16, 32, 4, 6, one_wave_stages=12),      # M <= 16, 4096-column results
     MatmulTiles(16, 16, 2, 10),                         # M <= 16, narrow results
 )
