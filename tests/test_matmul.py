@@ -380,10 +380,9 @@ def test_plan_triton_tile_rule():
 def test_plan_triton_ladder_picks():
   """The Triton ladder rule (matmul_plan.triton_tiles) makes the picks the H100
   sweeps found fastest (benchmarks/results/h100.md, twenty-ninth and thirty-sixth
-  sessions): more,
-  narrower programs where the grid would not fill a wave, fewer waves of wide
-  ones on wide results, and deep pipelines for one-wave grids. A grouped GEMM
-  counts every group's programs (not yet timed on the GPU)."""
+  sessions): more, narrower programs where the grid would not fill a wave, fewer
+  waves of wide ones on wide results, and deep pipelines for one-wave grids. A
+  grouped GEMM counts every group's programs (not yet timed on the GPU)."""
   def pick(rows, cols, layout=Layout.NN, groups=1):
     tiles = _plan(layout, rows, cols, 2048, groups=groups).tiles
     return tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages
@@ -395,7 +394,7 @@ def test_plan_triton_ladder_picks():
   assert pick(16, 18944) == pick(16, 57344) == (16, 128, 4, 4)  # 2 / 4 waves
   assert pick(64, 1536) == pick(31, 2050) == (64, 16, 4, 10)   # 96 / 129 programs
   assert pick(100, 2050) == (64, 32, 4, 10)                    # 130 programs
-  assert pick(100, 1000) == (16, 64, 4, 10)  # 112 programs: ties 64 x 16 (126), faster
+  assert pick(100, 1000) == (16, 64, 4, 10)   # 112 programs; 64 x 16 ties and was slower
   assert pick(64, 5120) == pick(100, 4096) == (64, 64, 4, 10)  # 80 / 128 programs
   assert pick(100, 5120, Layout.NT) == (64, 128, 4, 8)         # 80 programs
   assert pick(100, 28672) == (128, 256, 8, 3)
