@@ -30,10 +30,10 @@ overlap one's softmax with the other's products (making them take turns on the
 tensor cores, as FlashAttention-3 does, cost 2-8% at 8 of 10 shapes on the
 H100). Each consumer also issues the next key block's ``q . k`` before its
 softmax of this block, so its own tensor-core work runs under its softmax; the
-producer loads one block past the CTA's last for the last step to issue (on
-the H100 2-7% faster at T = 2048-8192 with H = 128; 1% slower with H = 64, 3% at
-T = 512).
-The chunk total's accumulator lives in shared memory (registers would spill).
+producer loads one block past the CTA's last for the last step to issue (on the
+H100 2-7% faster at T = 2048-8192 with H = 128, 1% slower with H = 64, even to 3%
+slower at T = 512). The chunk total's accumulator lives in shared memory
+(registers would spill).
 
 The backward (:func:`attention_backward`) computes the bits of the Triton dK/dV
 and dQ kernels at their 64 x 64 tiles: the same probabilities and ``ds``

@@ -237,11 +237,12 @@ def mosaic_row_tiles(rows: int, cols: int, num_sms: int, *, lhs_aligned: bool = 
     waves = cdiv(tiles.tile_count(rows, cols), num_sms)
     return waves * tiles.block_m * tiles.block_cols / tiles.rate(lhs_aligned, rhs_aligned)
 
-  fitting = [t for t in mosaic_tile_candidates(rhs_aligned, transposed) if t.fits(rows, cols)]
-  if not fitting:
+  estimates = {t: estimated_time(t)
+               for t in mosaic_tile_candidates(rhs_aligned, transposed) if t.fits(rows, cols)}
+  if not estimates:
     return None
-  least = min(map(estimated_time, fitting))
-  tied = [t for t in fitting if estimated_time(t) <= least * (1 + TIED_ESTIMATES)]
+  least = min(estimates.values())
+  tied = [t for t, time in estimates.items() if time <= least * (1 + TIED_ESTIMATES)]
   return min(tied, key=lambda t: (t.multicast, -t.block_m * t.block_cols))
 
 
