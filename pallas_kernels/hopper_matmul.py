@@ -88,9 +88,9 @@ class HopperTiles:
       raise ValueError(f"split_rows needs block_m = 128 (a wgmma takes 64 rows per "
                        f"warpgroup), got block_m = {self.block_m}")
     if self.transposed and (self.block_m % 8 or not 8 <= self.block_m <= 256
-                            or self.block_n % 64 or self.split_rows or self.multicast):
+                            or self.block_n % 64 or self.split_rows):
       raise ValueError(f"transposed tiles need block_m a multiple of 8 up to 256, block_n "
-                       f"a multiple of 64, no split_rows and no multicast; got {self}")
+                       f"a multiple of 64 and no split_rows; got {self}")
 
   @property
   def block_cols(self) -> int:

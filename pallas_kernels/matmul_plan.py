@@ -202,16 +202,17 @@ def mosaic_strips(tiles: mosaic.HopperTiles, rows: int, cols: int, contraction: 
 
 def mosaic_tile_candidates(rhs_aligned: bool, transposed: bool = False
                            ) -> tuple[mosaic.HopperTiles, ...]:
-  """The Mosaic GPU tiles the plan chooses among: the ROW_TILES entries; where
-  the rhs's rows do not start on 128-byte lines (not ``rhs_aligned``, see
-  ``hopper_matmul.lines_aligned``) also their ``multicast`` twins; with
+  """The Mosaic GPU tiles the plan chooses among: the ROW_TILES entries; with
   ``transposed`` (the forward and dA with a 16-bit result) also the
-  TRANSPOSED_TILES."""
-  candidates = mosaic.ROW_TILES
+  TRANSPOSED_TILES; where the rhs's rows do not start on 128-byte lines (not
+  ``rhs_aligned``, see ``hopper_matmul.lines_aligned``) also the ``multicast``
+  twins of all of these. A transposed twin both fills the last wave and halves
+  the rhs lines each SM reads: on the H100 it made 26 unaligned GEMMs, forward
+  and dA, 1-36% faster than the plain twins (benchmarks/results/h100.md,
+  thirty-seventh section)."""
+  candidates = mosaic.ROW_TILES + (mosaic.TRANSPOSED_TILES if transposed else ())
   if not rhs_aligned:
-    candidates += tuple(dataclasses.replace(t, multicast=True) for t in mosaic.ROW_TILES)
-  if transposed:
-    candidates += mosaic.TRANSPOSED_TILES
+    candidates += tuple(dataclasses.replace(t, multicast=True) for t in candidates)
   return candidates
 
 

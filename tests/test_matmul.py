@@ -436,6 +436,14 @@ def test_plan_mosaic_row_tile_rule():
   assert _plan(Layout.NN, 4096, 4096, 1000).tiles == big  # only the rhs's pitch counts
   assert _plan(Layout.NT, 4096, 4096, 1000).tiles == twin(big)
   assert _plan(Layout.TN, 3000, 1000, 16384).tiles == twin(big)
+  # The forward and dA also take the transposed tiles' twins, whose row counts
+  # fill the wave: 6000 x 1000 in 128 tiles of 192 x 256 (one wave), not 192 of
+  # the paired 128 x 256 (two), and 384 x 3000 in 96 of 96 x 128.
+  transposed_shape = lambda t: (t.block_m, t.block_cols, t.transposed, t.multicast)
+  assert transposed_shape(_plan(Layout.NN, 6000, 1000, 3000).tiles) == (192, 256, True, True)
+  assert transposed_shape(_plan(Layout.NT, 6000, 1000, 3000).tiles) == (192, 256, True, True)
+  assert transposed_shape(_plan(Layout.NN, 384, 3000, 1000).tiles) == (96, 128, True, True)
+  assert not any(t.multicast for t in matmul_plan.mosaic_tile_candidates(True, True))
   with pytest.raises(ValueError, match="split_rows needs block_m = 128"):
     hopper.HopperTiles(64, 128, split_rows=True)
 
