@@ -105,13 +105,17 @@ class HopperTiles:
   def rate(self, lhs_aligned: bool, rhs_aligned: bool) -> float:
     """Throughput per SM relative to 128 x 128: ``throughput``, capped by the
     operand lines a step takes in per FLOP (``LINE_BOUND``, for transposed tiles
-    ``TRANSPOSED_LINE_BOUND``). A 128-byte TMA box
+    ``TRANSPOSED_LINE_BOUND``, for their multicast twins
+    ``TRANSPOSED_MULTICAST_LINE_BOUND``). A 128-byte TMA box
     row costs one line where the operand's rows start on lines (``*_aligned``,
     :func:`lines_aligned`), two otherwise; multicast halves the rhs's share."""
     lhs_lines = self.block_m * (1 if lhs_aligned else 2)
     rhs_lines = self.block_cols * (1 if rhs_aligned else 2) / self.cluster_rows
     flop_per_line = self.block_m * self.block_cols / (lhs_lines + rhs_lines)
-    line_bound = TRANSPOSED_LINE_BOUND if self.transposed else LINE_BOUND
+    if self.transposed:
+      line_bound = TRANSPOSED_MULTICAST_LINE_BOUND if self.multicast else TRANSPOSED_LINE_BOUND
+    else:
+      line_bound = LINE_BOUND
     return min(self.throughput, line_bound * flop_per_line)
 
   def tile_count(self, rows: int, cols: int) -> int:
@@ -177,6 +181,12 @@ TRANSPOSED_TILES: tuple[HopperTiles, ...] = tuple(
     for block_m in range(64, most_rows + 1, 8)
     if (block_m, 2 * block_n) not in {(t.block_m, t.block_cols) for t in ROW_TILES})
 TRANSPOSED_LINE_BOUND = 1 / 66
+# Their multicast twins (an rhs off the lines): fitted on the three grid GEMMs where
+# 1/66 picked a paired plain tile 6-7% slower than a twin (448 / 777 / 3000 rows of
+# the unaligned weights), then timed at 14 random unaligned GEMMs whose pick it
+# changes: 12 faster by 2-11%, two slower by 2% and 9% (h100.md, thirty-seventh
+# section).
+TRANSPOSED_MULTICAST_LINE_BOUND = 1 / 58
 # Up to this contraction the tiles walk strips COLUMN_STRIP_WIDTH tile columns
 # wide down the rows where the result has more tile columns than tile rows
 # (matmul_plan.mosaic_strips). Timed on the H100 (benchmarks/results/h100.md,

@@ -443,6 +443,12 @@ def test_plan_mosaic_row_tile_rule():
   assert transposed_shape(_plan(Layout.NN, 6000, 1000, 3000).tiles) == (192, 256, True, True)
   assert transposed_shape(_plan(Layout.NT, 6000, 1000, 3000).tiles) == (192, 256, True, True)
   assert transposed_shape(_plan(Layout.NN, 384, 3000, 1000).tiles) == (96, 128, True, True)
+  # ... and where a paired plain tile fills the wave too, the twin's line bound
+  # decides (the H100's picks): 3000 x 1000 in 128 tiles of 96 x 256 rather than
+  # 96 of the paired 128 x 256; 512 x 3000 keeps the paired 128 x 128.
+  assert transposed_shape(_plan(Layout.NN, 3000, 1000, 3000).tiles) == (96, 256, True, True)
+  assert transposed_shape(_plan(Layout.NN, 777, 3000, 1000).tiles) == (80, 256, True, True)
+  assert _plan(Layout.NN, 512, 3000, 1000).tiles == twin(square)
   assert not any(t.multicast for t in matmul_plan.mosaic_tile_candidates(True, True))
   with pytest.raises(ValueError, match="split_rows needs block_m = 128"):
     hopper.HopperTiles(64, 128, split_rows=True)
