@@ -25,7 +25,9 @@ does not divide) moves one 128-byte column tile at a time through an untiled
 view of its shared memory, which takes any 16-byte row pitch
 (:func:`_block_ring`, :func:`takes`). Where the rhs's rows do not start on
 128-byte lines, the plan may run the programs in clusters of two that share each
-rhs block by TMA multicast (``HopperTiles.multicast``). The forward and dA
+rhs block by TMA multicast (``HopperTiles.multicast``), and where the lhs's rows
+miss them too, in clusters of 2 x 2 that share the lhs blocks as well
+(``HopperTiles.multicast_lhs``). The forward and dA
 may run transposed tiles (``HopperTiles.transposed``), whose row count is
 wgmma's N and so any multiple of 8. Only 16-bit operands (bfloat16, float16).
 """
@@ -41,11 +43,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import cdiv, mosaic_gpu
-from pallas_kernels.matmul import BLOCK_K, Layout, fit_stages
+from pallas_kernels.matmul import BLOCK_K, H100_SM_COUNT, Layout, fit_stages
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 EPILOGUE_TILE = 64  # the output leaves in TMA stores of 64 rows
-CLUSTER = "cluster"  # the grid axis of a multicast tile's two CTAs
+CLUSTER = "cluster"  # the cluster axis of a multicast tile's row pairs
+CLUSTER_COLS = "cluster_cols"  # and of a multicast_lhs tile's column pairs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +62,9 @@ class HopperTiles:
   walked backwards (L2 reuse). With ``multicast`` the programs run in
   clusters of two CTAs that take two neighbouring row blocks and receive each
   rhs block by one TMA multicast, so each SM reads half of it; an odd last row
-  block is computed by both CTAs. None of it changes the sums. ``throughput``
+  block is computed by both CTAs. With ``multicast_lhs`` the clusters also pair
+  neighbouring column blocks, which share each lhs block the same way (with
+  ``multicast``, clusters of 2 x 2 CTAs). None of it changes the sums. ``throughput``
   is the tile's measured throughput per SM relative to 128 x 128 with both
   operands' rows on 128-byte lines; :meth:`rate` is the one the tile rule
   (``matmul_plan.mosaic_row_tiles``) weighs.
@@ -82,6 +87,7 @@ class HopperTiles:
   throughput: float = 1.0
   multicast: bool = False
   transposed: bool = False
+  multicast_lhs: bool = False
 
   def __post_init__(self):
     if self.split_rows and self.block_m != 128:
@@ -102,14 +108,28 @@ class HopperTiles:
     """Row blocks per cluster of CTAs: 2 with ``multicast``, else 1."""
     return 2 if self.multicast else 1
 
+  @property
+  def cluster_cols(self) -> int:
+    """Column blocks per cluster of CTAs: 2 with ``multicast_lhs``, else 1."""
+    return 2 if self.multicast_lhs else 1
+
+  def concurrent_ctas(self, num_sms: int) -> int:
+    """The CTAs of this tile's grid that a GPU of ``num_sms`` SMs runs at once:
+    one per SM, but a cluster's CTAs share a GPC, and clusters of four leave
+    SMs idle (``QUAD_CLUSTERS``)."""
+    if self.cluster_rows * self.cluster_cols < 4:
+      return num_sms
+    return 4 * (num_sms * QUAD_CLUSTERS // H100_SM_COUNT)
+
   def rate(self, lhs_aligned: bool, rhs_aligned: bool) -> float:
     """Throughput per SM relative to 128 x 128: ``throughput``, capped by the
     operand lines a step takes in per FLOP (``LINE_BOUND``, for transposed tiles
     ``TRANSPOSED_LINE_BOUND``, for their multicast twins
     ``TRANSPOSED_MULTICAST_LINE_BOUND``). A 128-byte TMA box
     row costs one line where the operand's rows start on lines (``*_aligned``,
-    :func:`lines_aligned`), two otherwise; multicast halves the rhs's share."""
-    lhs_lines = self.block_m * (1 if lhs_aligned else 2)
+    :func:`lines_aligned`), two otherwise; multicast halves the rhs's share,
+    multicast_lhs the lhs's."""
+    lhs_lines = self.block_m * (1 if lhs_aligned else 2) / self.cluster_cols
     rhs_lines = self.block_cols * (1 if rhs_aligned else 2) / self.cluster_rows
     flop_per_line = self.block_m * self.block_cols / (lhs_lines + rhs_lines)
     if self.transposed:
@@ -119,10 +139,11 @@ class HopperTiles:
     return min(self.throughput, line_bound * flop_per_line)
 
   def tile_count(self, rows: int, cols: int) -> int:
-    """CTA tiles covering a rows x cols result, a repeated odd last row block
-    of a ``multicast`` grid included."""
-    clusters = cdiv(cdiv(rows, self.block_m), self.cluster_rows) * cdiv(cols, self.block_cols)
-    return clusters * self.cluster_rows
+    """CTA tiles covering a rows x cols result, a repeated odd last row (column)
+    block of a ``multicast`` (``multicast_lhs``) grid included."""
+    clusters = (cdiv(cdiv(rows, self.block_m), self.cluster_rows)
+                * cdiv(cdiv(cols, self.block_cols), self.cluster_cols))
+    return clusters * self.cluster_rows * self.cluster_cols
 
   def fits(self, rows: int, cols: int) -> bool:
     """Whether the program tile lies inside a rows x cols result (edge tiles may
@@ -143,6 +164,13 @@ class HopperTiles:
       return 2 * self.block_m * 128
     return 4 * EPILOGUE_TILE * 128
 
+
+# Clusters of 2 x 2 CTAs that an H100 (H100_SM_COUNT SMs) runs at once, measured:
+# grids of 24-30 such clusters ran as one wave, grids of 32 about 1.5x slower than
+# their estimate (six tiles at four shapes; benchmarks/results/h100.md,
+# thirty-seventh section). A cluster's CTAs must share a GPC, so not all 33 groups
+# of four SMs can take one.
+QUAD_CLUSTERS = 30
 
 # The 128 x 256 tile, the one for large results: strips 8 row-tiles wide,
 # 4 stages, warpgroups split by rows
@@ -230,15 +258,14 @@ def _block_ring(block, dtype, slots: int, swizzle: int, *, tiled: bool):
                         plgpu.SMEM(shape, dtype, transforms=(tiling, swizzled)))
 
 
-def _copy_block(gmem, rows, first_col, copies, barrier, *, multicast: bool = False):
+def _copy_block(gmem, rows, first_col, copies, barrier, *, multicast: str | None = None):
   """TMA of the [rows, cols] block of ``gmem`` at ``rows`` and columns from
   ``first_col`` into ``copies`` (a slot of a :func:`_block_ring`'s copy view):
   one copy for a tiled block, one per column tile otherwise, all arriving on
-  ``barrier``; with ``multicast``, into both CTAs of the cluster. Columns and
-  rows past the array read zeros."""
+  ``barrier``; with ``multicast`` (a cluster axis), into both CTAs of the
+  cluster along it. Columns and rows past the array read zeros."""
   plgpu = mosaic_gpu()
-  copy = functools.partial(plgpu.copy_gmem_to_smem, barrier=barrier,
-                           collective_axes=CLUSTER if multicast else None)
+  copy = functools.partial(plgpu.copy_gmem_to_smem, barrier=barrier, collective_axes=multicast)
   if copies.ndim == 2:
     copy(gmem.at[rows, pl.ds(first_col, copies.shape[1])], copies)
     return
@@ -262,21 +289,26 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   lhs_t, rhs_t = layout is Layout.TN, layout is Layout.NT
   stages = min(tiles.num_stages, k_steps)
   num_m, num_n = cdiv(rows, bm), cdiv(cols, cta_n)
-  num_groups_m = cdiv(num_m, tiles.cluster_rows)  # a cluster's row blocks count as one
-  num_tiles = num_groups_m * num_n
+  # A cluster's row (column) blocks count as one.
+  num_groups_m, num_groups_n = cdiv(num_m, tiles.cluster_rows), cdiv(num_n, tiles.cluster_cols)
+  num_tiles = num_groups_m * num_groups_n
   if tiles.transposed:
     acc_m, acc_n = tiles.block_n, bm  # the rhs's columns x the result's rows
   else:
     acc_m, acc_n = (bm // 2, cta_n) if tiles.split_rows else (bm, tiles.block_n)
   program = lax.axis_index("sm")
-  cta = lax.axis_index(CLUSTER) if tiles.multicast else 0
+  cta_row = lax.axis_index(CLUSTER) if tiles.multicast else 0
+  cta_col = lax.axis_index(CLUSTER_COLS) if tiles.multicast_lhs else 0
+  cluster_axes = ((CLUSTER,) if tiles.multicast else ()) + (
+      (CLUSTER_COLS,) if tiles.multicast_lhs else ())
 
   def tile_slices(tile):
     """The tile's rows and columns of the result; edge tiles end at its edge."""
-    i, j = plgpu.planar_snake(tile, (num_groups_m, num_n), tiles.strip_dim,
+    i, j = plgpu.planar_snake(tile, (num_groups_m, num_groups_n), tiles.strip_dim,
                               tiles.strip_width)
-    row_block = jnp.minimum(i * tiles.cluster_rows + cta, num_m - 1)
-    return jnp.minimum(row_block * bm, rows - bm), jnp.minimum(j * cta_n, cols - cta_n)
+    row_block = jnp.minimum(i * tiles.cluster_rows + cta_row, num_m - 1)
+    col_block = jnp.minimum(j * tiles.cluster_cols + cta_col, num_n - 1)
+    return jnp.minimum(row_block * bm, rows - bm), jnp.minimum(col_block * cta_n, cols - cta_n)
 
   lhs_block = (BLOCK_K, bm) if lhs_t else (bm, BLOCK_K)
   rhs_block = (cta_n, BLOCK_K) if rhs_t else (BLOCK_K, cta_n)
@@ -296,10 +328,10 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   # barrier; both consumers release it.
   copies_per_stage = sum(1 if is_tiled else block[1] // width
                          for block, is_tiled in ((lhs_block, lhs_tiled), (rhs_block, rhs_tiled)))
-  # With multicast a slot is free once both CTAs' consumers release it.
+  # In a cluster a slot is free once every CTA's consumers release it.
   barriers = (plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=stages),
-              plgpu.ClusterBarrier(collective_axes=(CLUSTER,), num_arrivals=2,
-                                   num_barriers=stages) if tiles.multicast
+              plgpu.ClusterBarrier(collective_axes=cluster_axes, num_arrivals=2,
+                                   num_barriers=stages) if cluster_axes
               else plgpu.Barrier(num_arrivals=2, num_barriers=stages))
   # A consumer's accumulator takes one wgmma per column tile of an operand
   # block stored as column tiles (TN's lhs by rows, NN's and TN's rhs by columns).
@@ -418,20 +450,19 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
           slot = lax.rem(c, stages)
           pl.when(c >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
           ks, k0 = pl.ds(k * BLOCK_K, BLOCK_K), k * BLOCK_K
-          if lhs_t:
-            _copy_block(lhs_gmem, ks, first_row, lhs_copies.at[slot], loaded.at[slot])
-          else:
-            _copy_block(lhs_gmem, m_slice, k0, lhs_copies.at[slot], loaded.at[slot])
+          lhs_rows, lhs_col = (ks, first_row) if lhs_t else (m_slice, k0)
+          _copy_block(lhs_gmem, lhs_rows, lhs_col, lhs_copies.at[slot], loaded.at[slot],
+                      multicast=CLUSTER_COLS if tiles.multicast_lhs else None)
           rhs_rows, rhs_col = (n_slice, k0) if rhs_t else (ks, first_col)
           _copy_block(rhs_gmem, rhs_rows, rhs_col, rhs_copies.at[slot], loaded.at[slot],
-                      multicast=tiles.multicast)
+                      multicast=CLUSTER if tiles.multicast else None)
           return c + 1
 
         return lax.fori_loop(0, jnp.where(tile < num_tiles, k_steps, 0), step, steps_done)
 
       steps_done = lax.fori_loop(0, cdiv(num_tiles, programs), produce, jnp.int32(0))
-      if tiles.multicast:
-        # The other CTA's consumers arrive on this CTA's barriers: wait for the last
+      if cluster_axes:
+        # The other CTAs' consumers arrive on this CTA's barriers: wait for the last
         # slots' arrivals so that none lands after this CTA has exited.
         def drain(c, carry):
           plgpu.barrier_wait(consumed.at[lax.rem(c, stages)])
@@ -513,8 +544,9 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
 def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles, rows: int, cols: int,
             k_steps: int):
   plgpu = mosaic_gpu()
-  programs = min(jax.devices()[0].core_count, tiles.tile_count(rows, cols))
-  programs //= tiles.cluster_rows  # grid counts clusters
+  programs = min(tiles.concurrent_ctas(jax.devices()[0].core_count),
+                 tiles.tile_count(rows, cols))
+  programs //= tiles.cluster_rows * tiles.cluster_cols  # grid counts clusters
   kernel = functools.partial(_kernel, layout=layout, tiles=tiles, rows=rows, cols=cols,
                              k_steps=k_steps, programs=programs)
   return plgpu.kernel(
@@ -522,8 +554,8 @@ def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles, rows: in
       out_type=jax.ShapeDtypeStruct((rows, cols), out_dtype),
       grid=(programs,),
       grid_names=("sm",),
-      cluster=(tiles.cluster_rows,),
-      cluster_names=(CLUSTER,),
+      cluster=(tiles.cluster_rows, tiles.cluster_cols),
+      cluster_names=(CLUSTER, CLUSTER_COLS),
       num_threads=3,
       thread_name="wg",
   )(lhs, rhs)

@@ -200,8 +200,8 @@ def mosaic_strips(tiles: mosaic.HopperTiles, rows: int, cols: int, contraction: 
   return tiles
 
 
-def mosaic_tile_candidates(rhs_aligned: bool, transposed: bool = False
-                           ) -> tuple[mosaic.HopperTiles, ...]:
+def mosaic_tile_candidates(rhs_aligned: bool, transposed: bool = False,
+                           lhs_aligned: bool = True) -> tuple[mosaic.HopperTiles, ...]:
   """The Mosaic GPU tiles the plan chooses among: the ROW_TILES entries; with
   ``transposed`` (the forward and dA with a 16-bit result) also the
   TRANSPOSED_TILES; where the rhs's rows do not start on 128-byte lines (not
@@ -209,10 +209,16 @@ def mosaic_tile_candidates(rhs_aligned: bool, transposed: bool = False
   twins of all of these. A transposed twin both fills the last wave and halves
   the rhs lines each SM reads: on the H100 it made 26 unaligned GEMMs, forward
   and dA, 1-36% faster than the plain twins (benchmarks/results/h100.md,
-  thirty-seventh section)."""
-  candidates = mosaic.ROW_TILES + (mosaic.TRANSPOSED_TILES if transposed else ())
+  thirty-seventh section). Where the lhs's rows miss the lines too (not
+  ``lhs_aligned``), also their 2 x 2 twins (``multicast_lhs`` as well), which
+  share the lhs blocks too."""
+  base = mosaic.ROW_TILES + (mosaic.TRANSPOSED_TILES if transposed else ())
+  candidates = base
   if not rhs_aligned:
-    candidates += tuple(dataclasses.replace(t, multicast=True) for t in candidates)
+    candidates += tuple(dataclasses.replace(t, multicast=True) for t in base)
+  if not (rhs_aligned or lhs_aligned):
+    candidates += tuple(dataclasses.replace(t, multicast=True, multicast_lhs=True)
+                        for t in base)
   return candidates
 
 
@@ -223,28 +229,30 @@ def mosaic_row_tiles(rows: int, cols: int, num_sms: int, *, lhs_aligned: bool = 
   (``HopperTiles.fits``) with the least estimated time, or None if none fits
   (``*_aligned``: ``hopper_matmul.lines_aligned``; ``transposed``: whether the
   transposed tiles may run). Estimated time: waves x tile area /
-  ``HopperTiles.rate``, where waves = ceil(CTA tiles / SMs). With a fixed K
+  ``HopperTiles.rate``, where waves = ceil(CTA tiles / the CTAs that run at
+  once, ``HopperTiles.concurrent_ctas``). With a fixed K
   order no program may take part of another's contraction, so the choice is
   about filling the last wave: the transposed tiles' row counts, any multiple
   of 8, let the tiles fill it closely.
 
   Estimates equal to within ``TIED_ESTIMATES`` tie (as 112 and 168 rows of
-  1000 do in 3 and 2 waves). A tie goes to a tile without ``multicast`` (its
-  cluster's CTAs wait on each other, which the estimate leaves out), then to
+  1000 do in 3 and 2 waves). A tie goes to the tile with the smallest cluster
+  (a cluster's CTAs wait on each other, which the estimate leaves out), then to
   the largest tile: fewer tiles fill and drain their pipelines fewer times and
   read fewer operand lines per FLOP (200 x 256 over 120 x 256 on 3000 rows of
   a 128,256-column LM head was 8% faster), then to the earlier candidate."""
   def estimated_time(tiles):
-    waves = cdiv(tiles.tile_count(rows, cols), num_sms)
+    waves = cdiv(tiles.tile_count(rows, cols), tiles.concurrent_ctas(num_sms))
     return waves * tiles.block_m * tiles.block_cols / tiles.rate(lhs_aligned, rhs_aligned)
 
   estimates = {t: estimated_time(t)
-               for t in mosaic_tile_candidates(rhs_aligned, transposed) if t.fits(rows, cols)}
+               for t in mosaic_tile_candidates(rhs_aligned, transposed, lhs_aligned)
+               if t.fits(rows, cols)}
   if not estimates:
     return None
   least = min(estimates.values())
   tied = [t for t, time in estimates.items() if time <= least * (1 + TIED_ESTIMATES)]
-  return min(tied, key=lambda t: (t.multicast, -t.block_m * t.block_cols))
+  return min(tied, key=lambda t: (t.cluster_rows * t.cluster_cols, -t.block_m * t.block_cols))
 
 
 def launch(plan_: Plan, lhs, rhs, *, layout: Layout, out_dtype, precision=None):

@@ -420,36 +420,44 @@ def test_plan_mosaic_row_tile_rule():
   assert pick(4096, 192).fits(4096, 192) and pick(4096, 64) is None  # only tiles that fit
   assert not any(pick(m, n).multicast for m in (129, 300, 1000, 4096) for n in (256, 4096))
   # Operand rows off the 128-byte lines cap the rate (HopperTiles.rate); an rhs's
-  # tiles get multicast twins, unless the repeated odd row block costs a wave
-  # (300 x 3000: 120 plain 64 x 128 tiles, 144 paired). There the plain 64 x 128
-  # ties with the paired 128 x 128 (both read 384 lines a step), and a tie goes to
-  # the tile without multicast (9% faster on the H100).
+  # tiles get multicast twins, unless the repeated odd row block costs a wave.
+  # Where the lhs's rows miss the lines too, also 2 x 2 twins that share the lhs,
+  # of which at most QUAD_CLUSTERS run at once (120 of 132 SMs).
   assert all(t.rate(True, True) == t.throughput for t in hopper.ROW_TILES)
-  misaligned = lambda rows, cols: matmul_plan.mosaic_row_tiles(
-      rows, cols, num_sms=132, lhs_aligned=False, rhs_aligned=False)
+  misaligned = lambda rows, cols, lhs_aligned=False: matmul_plan.mosaic_row_tiles(
+      rows, cols, num_sms=132, lhs_aligned=lhs_aligned, rhs_aligned=False)
   twin = lambda tiles: dataclasses.replace(tiles, multicast=True)
-  assert misaligned(300, 1000) == misaligned(1000, 1000) == twin(small)
-  assert misaligned(2048, 1000) == twin(square) and misaligned(300, 3000) == small
+  quad = lambda tiles: dataclasses.replace(tiles, multicast=True, multicast_lhs=True)
+  assert misaligned(1000, 1000) == misaligned(300, 1000, lhs_aligned=True) == twin(small)
+  assert misaligned(2048, 1000) == twin(square)
   assert misaligned(1000, 3000) == misaligned(2048, 3000) == twin(narrow)
   assert misaligned(4096, 1000) == misaligned(6000, 1000) == misaligned(16384, 3000) == twin(big)
+  assert misaligned(300, 1000) == quad(small)   # 24 clusters of four, one wave
+  assert misaligned(300, 3000) == quad(square)
+  assert quad(small).concurrent_ctas(132) == 4 * hopper.QUAD_CLUSTERS == 120
+  assert twin(small).concurrent_ctas(132) == small.concurrent_ctas(132) == 132
   assert _plan(Layout.NN, 4096, 1000, 3000).tiles == twin(big)
   assert _plan(Layout.NN, 4096, 4096, 1000).tiles == big  # only the rhs's pitch counts
   assert _plan(Layout.NT, 4096, 4096, 1000).tiles == twin(big)
   assert _plan(Layout.TN, 3000, 1000, 16384).tiles == twin(big)
   # The forward and dA also take the transposed tiles' twins, whose row counts
   # fill the wave: 6000 x 1000 in 128 tiles of 192 x 256 (one wave), not 192 of
-  # the paired 128 x 256 (two), and 384 x 3000 in 96 of 96 x 128.
-  transposed_shape = lambda t: (t.block_m, t.block_cols, t.transposed, t.multicast)
-  assert transposed_shape(_plan(Layout.NN, 6000, 1000, 3000).tiles) == (192, 256, True, True)
-  assert transposed_shape(_plan(Layout.NT, 6000, 1000, 3000).tiles) == (192, 256, True, True)
-  assert transposed_shape(_plan(Layout.NN, 384, 3000, 1000).tiles) == (96, 128, True, True)
-  # ... and where a paired plain tile fills the wave too, the twin's line bound
-  # decides (the H100's picks): 3000 x 1000 in 128 tiles of 96 x 256 rather than
-  # 96 of the paired 128 x 256; 512 x 3000 keeps the paired 128 x 128.
-  assert transposed_shape(_plan(Layout.NN, 3000, 1000, 3000).tiles) == (96, 256, True, True)
-  assert transposed_shape(_plan(Layout.NN, 777, 3000, 1000).tiles) == (80, 256, True, True)
-  assert _plan(Layout.NN, 512, 3000, 1000).tiles == twin(square)
+  # the paired 128 x 256 (two).
+  shape = lambda t: (t.block_m, t.block_cols, t.transposed, t.cluster_rows * t.cluster_cols)
+  assert shape(_plan(Layout.NN, 6000, 1000, 3000).tiles) == (192, 256, True, 2)
+  assert shape(_plan(Layout.NT, 6000, 1000, 3000).tiles) == (192, 256, True, 2)
+  # Where a paired plain tile fills the wave too, the twins' line bound decides:
+  # 2000 x 1000 over K = 4096 in 120 tiles of 136 x 128 rather than 128 of the
+  # paired 128 x 128.
+  assert shape(_plan(Layout.NN, 2000, 1000, 4096).tiles) == (136, 128, True, 2)
+  # With both operands off the lines, the 2 x 2 twins: 2048 x 1000 in 28 clusters
+  # of 152 x 128 tiles; 136 x 128 would take 32, two waves (0.59x of cuBLAS on
+  # the H100 against 1.02x).
+  assert shape(_plan(Layout.NN, 2048, 1000, 3000).tiles) == (152, 128, True, 4)
+  assert shape(_plan(Layout.NN, 384, 3000, 1000).tiles) == (96, 128, True, 4)
+  assert shape(_plan(Layout.NN, 3000, 1000, 3000).tiles) == (104, 256, True, 4)
   assert not any(t.multicast for t in matmul_plan.mosaic_tile_candidates(True, True))
+  assert not any(t.multicast_lhs for t in matmul_plan.mosaic_tile_candidates(False, True))
   with pytest.raises(ValueError, match="split_rows needs block_m = 128"):
     hopper.HopperTiles(64, 128, split_rows=True)
 
@@ -553,7 +561,7 @@ def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
               (Layout.TN, (301, 1000), (301, 1024))]
   for layout, lhs, rhs in operands:
     candidates = matmul_plan.mosaic_tile_candidates(
-        rhs_aligned=False, transposed=hopper.transposed_takes(layout, bf16))
+        rhs_aligned=False, transposed=hopper.transposed_takes(layout, bf16), lhs_aligned=False)
     for candidate in _sampled(matmul_plan.Plan(Kernel.MOSAIC_GPU, t) for t in candidates):
       tiles = kernels.fit_stages(candidate.tiles, bf16, bf16)
       gemm = functools.partial(hopper.matmul, layout=layout, out_dtype=bf16, tiles=tiles)
@@ -580,9 +588,9 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
     plans.append(dataclasses.replace(plans[0], kernel=Kernel.JAX_TRITON))
   if matmul_plan.plan(layout, rows, cols, contraction, dtype=dtype, out_dtype=dtype,
                       device=device).kernel is Kernel.MOSAIC_GPU:
-    _, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
+    lhs_aligned, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
     candidates = matmul_plan.mosaic_tile_candidates(
-        rhs_aligned, transposed=hopper.transposed_takes(layout, dtype))
+        rhs_aligned, transposed=hopper.transposed_takes(layout, dtype), lhs_aligned=lhs_aligned)
     plans += [matmul_plan.Plan(Kernel.MOSAIC_GPU, kernels.fit_stages(
                   matmul_plan.mosaic_strips(t, rows, cols, contraction), dtype, dtype))
               for t in candidates if t.fits(rows, cols)]
