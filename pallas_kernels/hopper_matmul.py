@@ -166,10 +166,10 @@ class HopperTiles:
 
 
 # Clusters of 2 x 2 CTAs that an H100 (H100_SM_COUNT SMs) runs at once, measured:
-# grids of 24-30 such clusters ran as one wave, grids of 32 about 1.5x slower than
-# their estimate (six tiles at four shapes; benchmarks/results/h100.md,
-# thirty-seventh section). A cluster's CTAs must share a GPC, so not all 33 groups
-# of four SMs can take one.
+# grids of 24-30 such clusters ran as one wave, grids of 32 1.3-1.6x slower than the
+# paired tiles they would replace (eight tiles at four shapes; benchmarks/results/
+# h100.md, thirty-seventh section). A cluster's CTAs must share a GPC, so not all 33
+# groups of four SMs can take one.
 QUAD_CLUSTERS = 30
 
 # The 128 x 256 tile, the one for large results: strips 8 row-tiles wide,
