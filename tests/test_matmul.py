@@ -434,6 +434,9 @@ def test_plan_mosaic_row_tile_rule():
   assert misaligned(4096, 1000) == misaligned(6000, 1000) == misaligned(16384, 3000) == twin(big)
   assert misaligned(300, 1000) == quad(small)   # 24 clusters of four, one wave
   assert misaligned(300, 3000) == quad(square)
+  # Both 128 x 256 twins run at the throughput cap over 2820 x 1000 (88 tiles, one
+  # wave either way): the tie goes to the smaller cluster.
+  assert misaligned(2820, 1000) == twin(big)
   assert quad(small).concurrent_ctas(132) == 4 * hopper.QUAD_CLUSTERS == 120
   assert twin(small).concurrent_ctas(132) == small.concurrent_ctas(132) == 132
   assert _plan(Layout.NN, 4096, 1000, 3000).tiles == twin(big)
@@ -546,8 +549,8 @@ def test_mosaic_kernel_rejects_sizes_it_does_not_take():
 
 @pytest.mark.skipif(on_gpu(), reason="the GPU tests compile the kernel for real")
 def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
-  """Each Mosaic GPU tile, its multicast twin and the sampled transposed tiles
-  (forward and dA) lower for an H100 (132 SMs) in each layout, with operand
+  """Each Mosaic GPU tile, its multicast and 2 x 2 twins and the sampled
+  transposed tiles (forward and dA) lower for an H100 (132 SMs) in each layout, with operand
   blocks copied whole (tiled: 64-aligned weight columns, a token count that 8
   divides) and one column tile at a time (1000 weight columns, 301 tokens), and
   a contraction that 64 does not divide."""
