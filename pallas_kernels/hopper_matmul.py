@@ -97,6 +97,9 @@ class HopperTiles:
                             or self.block_n % 64 or self.split_rows):
       raise ValueError(f"transposed tiles need block_m a multiple of 8 up to 256, block_n "
                        f"a multiple of 64 and no split_rows; got {self}")
+    if self.multicast_lhs and not self.multicast:
+      raise ValueError(f"multicast_lhs needs multicast (clusters of 2 x 2 CTAs; column "
+                       f"pairs alone are not a tile the plan runs); got {self}")
 
   @property
   def block_cols(self) -> int:
@@ -113,11 +116,16 @@ class HopperTiles:
     """Column blocks per cluster of CTAs: 2 with ``multicast_lhs``, else 1."""
     return 2 if self.multicast_lhs else 1
 
+  @property
+  def cluster_size(self) -> int:
+    """CTAs per cluster: 1, 2 (``multicast``) or 4 (and ``multicast_lhs``)."""
+    return self.cluster_rows * self.cluster_cols
+
   def concurrent_ctas(self, num_sms: int) -> int:
     """The CTAs of this tile's grid that a GPU of ``num_sms`` SMs runs at once:
     one per SM, but a cluster's CTAs share a GPC, and clusters of four leave
     SMs idle (``QUAD_CLUSTERS``)."""
-    if self.cluster_rows * self.cluster_cols < 4:
+    if self.cluster_size < 4:
       return num_sms
     return 4 * (num_sms * QUAD_CLUSTERS // H100_SM_COUNT)
 
@@ -143,7 +151,7 @@ class HopperTiles:
     block of a ``multicast`` (``multicast_lhs``) grid included."""
     clusters = (cdiv(cdiv(rows, self.block_m), self.cluster_rows)
                 * cdiv(cdiv(cols, self.block_cols), self.cluster_cols))
-    return clusters * self.cluster_rows * self.cluster_cols
+    return clusters * self.cluster_size
 
   def fits(self, rows: int, cols: int) -> bool:
     """Whether the program tile lies inside a rows x cols result (edge tiles may
@@ -546,7 +554,7 @@ def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles, rows: in
   plgpu = mosaic_gpu()
   programs = min(tiles.concurrent_ctas(jax.devices()[0].core_count),
                  tiles.tile_count(rows, cols))
-  programs //= tiles.cluster_rows * tiles.cluster_cols  # grid counts clusters
+  programs //= tiles.cluster_size  # grid counts clusters
   kernel = functools.partial(_kernel, layout=layout, tiles=tiles, rows=rows, cols=cols,
                              k_steps=k_steps, programs=programs)
   return plgpu.kernel(

@@ -253,7 +253,7 @@ def mosaic_row_tiles(rows: int, cols: int, num_sms: int, *, lhs_aligned: bool = 
     return None
   least = min(estimates.values())
   tied = [t for t, time in estimates.items() if time <= least * (1 + TIED_ESTIMATES)]
-  return min(tied, key=lambda t: (t.cluster_rows * t.cluster_cols, -t.block_m * t.block_cols))
+  return min(tied, key=lambda t: (t.cluster_size, -t.block_m * t.block_cols))
 
 
 def launch(plan_: Plan, lhs, rhs, *, layout: Layout, out_dtype, precision=None):

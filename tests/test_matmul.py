@@ -446,7 +446,7 @@ def test_plan_mosaic_row_tile_rule():
   # The forward and dA also take the transposed tiles' twins, whose row counts
   # fill the wave: 6000 x 1000 in 128 tiles of 192 x 256 (one wave), not 192 of
   # the paired 128 x 256 (two).
-  shape = lambda t: (t.block_m, t.block_cols, t.transposed, t.cluster_rows * t.cluster_cols)
+  shape = lambda t: (t.block_m, t.block_cols, t.transposed, t.cluster_size)
   assert shape(_plan(Layout.NN, 6000, 1000, 3000).tiles) == (192, 256, True, 2)
   assert shape(_plan(Layout.NT, 6000, 1000, 3000).tiles) == (192, 256, True, 2)
   # Where a paired plain tile fills the wave too, the twins' line bound decides:
@@ -463,6 +463,8 @@ def test_plan_mosaic_row_tile_rule():
   assert not any(t.multicast_lhs for t in matmul_plan.mosaic_tile_candidates(False, True))
   with pytest.raises(ValueError, match="split_rows needs block_m = 128"):
     hopper.HopperTiles(64, 128, split_rows=True)
+  with pytest.raises(ValueError, match="multicast_lhs needs multicast"):
+    hopper.HopperTiles(64, 128, multicast_lhs=True)
 
 
 def test_plan_transposed_tile_rule():
