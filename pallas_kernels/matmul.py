@@ -57,8 +57,13 @@ class MatmulTiles:
   ``group_m`` tiles of a column of tiles run next to each other (L2 reuse of the
   B tile). ``one_wave_stages``, when set, replaces ``num_stages`` for a grid of
   at most one program per SM: each SM then runs a single program, and only
-  loads in flight hide memory latency. Like the rest, these move work between
-  programs and change when blocks are loaded, never the sums.
+  loads in flight hide memory latency. ``step_k`` (a multiple of ``BLOCK_K``)
+  is the contraction each pipeline stage loads: a ``step_k`` step's dot is the
+  k16 MMA chain of its ``BLOCK_K`` steps, into the same accumulator, so on the
+  GPU it has their bits (a partial last step still runs ``BLOCK_K`` at a time).
+  Like the rest, these move work between programs and change when blocks are
+  loaded, never the sums. Interpret mode keeps ``step_k = BLOCK_K``: XLA:CPU
+  rounds a dot's sum its own way.
   """
   block_m: int
   block_n: int
@@ -66,9 +71,14 @@ class MatmulTiles:
   num_stages: int
   group_m: int = 8
   one_wave_stages: int | None = None
+  step_k: int = BLOCK_K
+
+  def __post_init__(self):
+    if self.step_k % BLOCK_K:
+      raise ValueError(f"step_k must be a multiple of BLOCK_K = {BLOCK_K}, got {self.step_k}")
 
   def stage_bytes(self, dtype) -> int:
-    return (self.block_m + self.block_n) * BLOCK_K * jnp.dtype(dtype).itemsize
+    return (self.block_m + self.block_n) * self.step_k * jnp.dtype(dtype).itemsize
 
   def reserved_bytes(self, out_dtype) -> int:
     del out_dtype  # the result leaves straight from registers
@@ -108,6 +118,17 @@ GPU_ONE_ROW_OF_TILES = 64  # up to this many rows, one row of tiles holds them a
 # GEMM 18944 wide, where from 48 up the rule takes two waves of 16 x 128 over
 # three of 16 x 64 (5% faster).
 GPU_PROGRAM_OVERHEAD = 64
+# The ladder's smallest stages (a 64-deep stage of at most DEEP_STEP_STAGE_BYTES:
+# 16 x 16 in 16 bits) load DEEP_STEP_K-deep steps instead, in a one-wave grid over a
+# contraction of at least DEEP_STEP_MIN_CONTRACTION that its stages hold whole
+# (``matmul_plan.triton_tiles``): such a program waits on each of its many small
+# loads in turn, not on bandwidth. On the H100 (benchmarks/results/h100.md,
+# thirty-eighth section), with the same bits: 16 x 16 over K = 2048-2240 11-24%
+# faster (the 2048 x 1536 expert at M = 1-16 16-22%), over K = 704-1536 4-19%
+# slower; 16 x 32 and 16 x 64 tiles 4-18% slower at 9 of 11 shapes.
+DEEP_STEP_K = 256
+DEEP_STEP_STAGE_BYTES = 4096
+DEEP_STEP_MIN_CONTRACTION = 2048
 
 # dB = Aᵀ @ D tiles on the GPU: the output is [K, N], so they never depend on the
 # row count (`tune_matmul.py --at-b`; notes/h100_notebook.md, "GEMM tile sweep").
@@ -150,11 +171,13 @@ def tile_coords(t, num_m: int, num_n: int, group_m: int):
   return first_m + (t % per_group) % rows_in_group, (t % per_group) // rows_in_group
 
 
-def contraction_loop(k: int, step, acc, *, chunk: int | None = None):
+def contraction_loop(k: int, step, acc, *, chunk: int | None = None, depth: int = BLOCK_K):
   """Runs ``acc = step(ks, k_mask, acc)`` over a contraction of ``k`` in
   BLOCK_K steps in increasing order: ``ks`` slices the step, ``k_mask`` is None
   for the full steps and masks the indices past ``k`` in a last, partial one
-  (its own loop of one trip, so that its start stays a traced value).
+  (its own loop of one trip, so that its start stays a traced value). With
+  ``depth`` (a multiple of BLOCK_K, ``MatmulTiles.step_k``) the full steps run
+  ``depth / BLOCK_K`` at a time while that many remain, then one at a time.
 
   With ``chunk`` (a multiple of BLOCK_K), each run of ``chunk`` contraction
   indices is summed by the same steps into an accumulator of its own that
@@ -164,15 +187,25 @@ def contraction_loop(k: int, step, acc, *, chunk: int | None = None):
   the whole contraction gives the unchunked bits (a sum that starts at +0 is
   never -0, and +0 + x is x)."""
   full_steps = k // BLOCK_K
+  per_deep = depth // BLOCK_K
 
   def body(masked, kk, acc):
     start = pl.multiple_of(kk * BLOCK_K, BLOCK_K)
     return step(pl.ds(start, BLOCK_K), block_mask(start, BLOCK_K, k) if masked else None, acc)
 
-  def steps(first, end, acc, *, last: bool):
-    """Full steps [first, end), then with ``last`` the partial step, if any."""
-    if not (isinstance(end, int) and end == first):
-      acc = lax.fori_loop(first, end, functools.partial(body, False), acc)
+  def deep_body(first, j, acc):
+    start = pl.multiple_of((first + j * per_deep) * BLOCK_K, BLOCK_K)
+    return step(pl.ds(start, depth), None, acc)
+
+  def steps(first, count: int, acc, *, last: bool):
+    """``count`` full steps from step ``first``, then with ``last`` the partial
+    step, if any."""
+    deep_steps = count // per_deep if per_deep > 1 else 0
+    if deep_steps:
+      acc = lax.fori_loop(0, deep_steps, functools.partial(deep_body, first), acc)
+    if count > deep_steps * per_deep:
+      acc = lax.fori_loop(first + deep_steps * per_deep, first + count,
+                          functools.partial(body, False), acc)
     if last and k % BLOCK_K:
       acc = lax.fori_loop(full_steps, full_steps + 1, functools.partial(body, True), acc)
     return acc
@@ -185,16 +218,18 @@ def contraction_loop(k: int, step, acc, *, chunk: int | None = None):
   full_chunks = k // chunk
 
   def add_chunk(c, total):
-    return total + steps(c * per_chunk, (c + 1) * per_chunk, jnp.zeros_like(total), last=False)
+    return total + steps(c * per_chunk, per_chunk, jnp.zeros_like(total), last=False)
 
   acc = lax.fori_loop(0, full_chunks, add_chunk, acc)
   if k % chunk:
-    acc = acc + steps(full_chunks * per_chunk, full_steps, jnp.zeros_like(acc), last=True)
+    acc = acc + steps(full_chunks * per_chunk, full_steps - full_chunks * per_chunk,
+                      jnp.zeros_like(acc), last=True)
   return acc
 
 
 def matmul_kernel(rows_ref, a_ref, b_ref, o_ref, *, row_tiles: int, n: int, group_m: int,
-                  transpose_b: bool, precision, contraction_chunk: int | None = None):
+                  transpose_b: bool, precision, contraction_chunk: int | None = None,
+                  step_k: int = BLOCK_K):
   """One [block_m, block_n] tile of ``A @ B`` (or ``A @ Bᵀ``).
 
   rows_ref: [1] int32, M (an operand, so that the kernel is the same for every M
@@ -203,7 +238,8 @@ def matmul_kernel(rows_ref, a_ref, b_ref, o_ref, *, row_tiles: int, n: int, grou
   transpose_b); o_ref: [block_m, block_n]. Rows >= M (every tile masks them,
   whatever M) and columns >= n of the edge tiles and the contraction past K in
   the last step are masked (loaded as zeros). ``contraction_chunk``: the
-  contraction in chunks (:func:`contraction_loop`).
+  contraction in chunks; ``step_k``: the contraction each step loads
+  (:func:`contraction_loop`).
   """
   block_m, block_n = o_ref.shape
   m = rows_ref[0]
@@ -223,7 +259,7 @@ def matmul_kernel(rows_ref, a_ref, b_ref, o_ref, *, row_tiles: int, n: int, grou
       return acc + dot_f32(a, b, trans_b=transpose_b, precision=precision)
 
     acc = contraction_loop(a_ref.shape[-1], step, jnp.zeros((block_m, block_n), jnp.float32),
-                           chunk=contraction_chunk)
+                           chunk=contraction_chunk, depth=step_k)
     store_block(o_ref, acc.astype(o_ref.dtype), rows=rows, cols=cols)
 
 
@@ -284,7 +320,7 @@ def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles: MatmulTiles,
   b_block = (*group_block, bn, k) if transpose_b else (*group_block, k, bn)
   kernel = functools.partial(matmul_kernel, row_tiles=row_tiles, n=n, group_m=tiles.group_m,
                              transpose_b=transpose_b, precision=precision,
-                             contraction_chunk=contraction_chunk)
+                             contraction_chunk=contraction_chunk, step_k=tiles.step_k)
   out = counted_call(
       kernel,
       count=m,

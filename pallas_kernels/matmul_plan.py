@@ -114,12 +114,14 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
     return Plan(Kernel.PALLAS_TRITON, pallas_triton.INTERPRET_TILES, interpret=True,
                 contraction_chunk=contraction_chunk)
   device = device or Device.current()
-  ladder_tiles = triton_tiles(layout, rows, cols, dtype, out_dtype, groups,
-                              device.sm_count or pallas_triton.H100_SM_COUNT)
+  num_sms = device.sm_count or pallas_triton.H100_SM_COUNT
+  if backend == "triton":
+    return Plan(Kernel.JAX_TRITON, triton_tiles(layout, rows, cols, dtype, out_dtype, groups,
+                                                num_sms))
+  ladder_tiles = triton_tiles(layout, rows, cols, dtype, out_dtype, groups, num_sms,
+                              contraction=contraction)
   if contraction_chunk is not None:
     return Plan(Kernel.PALLAS_TRITON, ladder_tiles, contraction_chunk=contraction_chunk)
-  if backend == "triton":
-    return Plan(Kernel.JAX_TRITON, ladder_tiles)
   mosaic_tiles = _mosaic_tiles(layout, rows, cols, contraction, dtype, out_dtype, groups,
                                device)
   if mosaic_tiles:
@@ -128,9 +130,11 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
 
 
 def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups: int = 1,
-                 num_sms: int = pallas_triton.H100_SM_COUNT) -> MatmulTiles:
+                 num_sms: int = pallas_triton.H100_SM_COUNT, *,
+                 contraction: int | None = None) -> MatmulTiles:
   """The Triton kernels' GPU tiles (pallas_kernels.matmul's tables) for ``groups``
-  GEMMs of a [rows, cols] result on a GPU of ``num_sms`` SMs.
+  GEMMs of a [rows, cols] result on a GPU of ``num_sms`` SMs, over ``contraction``
+  if known.
 
   dB's result is [K, N] of the weight: its tile never sees the token count.
   For the forward and dA: up to GPU_ONE_ROW_OF_TILES rows, the smallest
@@ -140,7 +144,12 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   programs of all groups / num_sms) and a program's time is its operand
   rows per contraction step (the few-row GEMMs these tiles serve stream their
   operands; ties go to the larger tile). The tile takes its ``one_wave_stages``
-  when the grid is a single wave; stages are fitted to shared memory.
+  when the grid is a single wave; stages are fitted to shared memory. In a
+  single wave, the smallest stages (``DEEP_STEP_STAGE_BYTES``) over a long
+  ``contraction`` that their stages hold whole at ``DEEP_STEP_K`` deep take
+  such steps (the Pallas Triton kernel's ``step_k``, see pallas_kernels.matmul's
+  constants; the jax-triton kernel and the PyTorch interop plan without
+  ``contraction``, so with ``BLOCK_K`` steps).
   """
   if layout is Layout.TN:
     return pallas_triton.fit_stages(pallas_triton.GPU_AT_B_TILES, dtype, out_dtype)
@@ -157,9 +166,18 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
     return waves(tiles) * (tiles.block_m + tiles.block_n + pallas_triton.GPU_PROGRAM_OVERHEAD)
 
   tiles = min(candidates, key=estimated_time)
-  if tiles.one_wave_stages and waves(tiles) == 1:
-    tiles = dataclasses.replace(tiles, num_stages=tiles.one_wave_stages)
-  return pallas_triton.fit_stages(tiles, dtype, out_dtype)
+  if waves(tiles) > 1:
+    return pallas_triton.fit_stages(tiles, dtype, out_dtype)
+  tiles = pallas_triton.fit_stages(
+      dataclasses.replace(tiles, num_stages=tiles.one_wave_stages or tiles.num_stages),
+      dtype, out_dtype)
+  if (contraction is not None and contraction >= pallas_triton.DEEP_STEP_MIN_CONTRACTION
+      and tiles.stage_bytes(dtype) <= pallas_triton.DEEP_STEP_STAGE_BYTES):
+    deep = pallas_triton.fit_stages(
+        dataclasses.replace(tiles, step_k=pallas_triton.DEEP_STEP_K), dtype, out_dtype)
+    if cdiv(contraction, pallas_triton.DEEP_STEP_K) <= deep.num_stages:
+      return deep
+  return tiles
 
 
 def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype, out_dtype,
