@@ -9,7 +9,9 @@ partial step whose missing terms are zeros (masked loads here, TMA's
 out-of-bounds fill or zero padding in the other kernels): the same values, so
 the same bits. Tile shape (``block_m``, ``block_n``), warps and stages only
 decide which program computes an element, never that order, so the plan
-(:mod:`pallas_kernels.matmul_plan`) may pick them from M. No launcher here
+(:mod:`pallas_kernels.matmul_plan`) may pick them from M. A GPU tile may load
+several steps at once (``MatmulTiles.step_k``): its dot over them is the k16 MMA
+chain of those steps in order, into the same accumulator, so the same bits. No launcher here
 copies an operand: edge tiles and the last contraction step are masked. The
 forward/dA launcher reads M from an operand and runs a bucketed grid of row
 tiles (``_common.counted_call``), so every M of a bucket runs one compiled
@@ -124,8 +126,8 @@ GPU_PROGRAM_OVERHEAD = 64
 # (``matmul_plan.triton_tiles``): such a program waits on each of its many small
 # loads in turn, not on bandwidth. On the H100 (benchmarks/results/h100.md,
 # thirty-eighth section), with the same bits: 16 x 16 over K = 2048-2240 11-24%
-# faster (the 2048 x 1536 expert at M = 1-16 16-22%), over K = 704-1536 4-19%
-# slower; 16 x 32 and 16 x 64 tiles 4-18% slower at 9 of 11 shapes.
+# faster (the 2048 x 1536 expert at M = 1-16 16-22%), over K = 704-1536 3-19%
+# slower; 16 x 32 and 16 x 64 tiles 4-18% slower at 13 of 14 shapes.
 DEEP_STEP_K = 256
 DEEP_STEP_STAGE_BYTES = 4096
 DEEP_STEP_MIN_CONTRACTION = 2048
