@@ -18,16 +18,20 @@ the row sits in its tile):
     (block j holds keys [j * block_k, (j + 1) * block_k)), in increasing order,
     grouped into *chunks* of ``chunk_k`` keys. Every chunk starts from the empty
     state (m = -inf, l = 0, acc = 0); one block step updates a row's
-    (max m, sum l, acc) online; the row sum of a block is taken on the tensor
-    cores from the same rounded probabilities that multiply V
-    (``max_j (p @ ones[block_k, 16])[:, j]``: 16 equal columns, max is exact).
+    (max m, sum l, acc) online: ``acc`` is rescaled by the block's ``alpha``
+    and ``p @ V`` accumulates onto it in the dot's own k16 chain (Triton folds
+    ``acc + p @ V`` into the MMA's accumulator, as in the GEMM and the
+    backward; Mosaic GPU's wgmma accumulates into it), and the row sum of a
+    block is taken on the tensor cores from the same rounded probabilities that
+    multiply V (``max_j (p @ ones[block_k, 16])[:, j]``: 16 equal columns, max
+    is exact).
     Chunk states are merged into the running total in increasing chunk order
     by :func:`merge_states`, then the total is normalised by :func:`finalize_state`. The
     prefill kernel merges in-kernel; the split kernel writes each chunk's float32
     state and :func:`attention_combine_kernel` merges them with the same
     :func:`merge_states` and :func:`finalize_state`. So both paths give the same bits.
   * A block or a chunk that is fully masked for a row is an exact no-op on that
-    row's state (alpha = exp2(0) = 1, p = 0, a fused multiply-add with 0), so
+    row's state (alpha = exp2(0) = 1, p = 0: a product by 1 and zeros added), so
     loop bounds (causal skipping, the valid length, the tile's last row) may
     differ between calls without changing a bit.
   * Tile shapes, dtypes and warps come from :func:`attention_tiles`: a function
@@ -41,9 +45,9 @@ the row sits in its tile):
     64-row prefill (wgmma), bf16 and float32; bf16's 16 against 128 rows (two
     warpgroups, the tile before) passed too.
   * On the GPU every float32 product that meets an add carries an explicit
-    rounding mode: the logit scaling and the merge's rescaling products are
-    ``mul.rn.f32``, the state updates (``l * alpha + l_block``,
-    ``acc * alpha + p @ V`` and the merge's) one ``fma.rn.f32`` each, the
+    rounding mode: the logit scaling, the block's ``acc * alpha`` and the
+    merge's rescaling products are ``mul.rn.f32``, the state updates
+    (``l * alpha + l_block`` and the merge's) one ``fma.rn.f32`` each, the
     normalisation ``acc / l`` a product by the row's IEEE reciprocal and an
     ``fma.rn.f32`` correction (:func:`corrected_quotient`; ``multiply``,
     ``multiply_add``, ``divide``), the exponentials ``ex2.approx.ftz.f32`` (libdevice's ``exp2f``)
@@ -149,11 +153,13 @@ class AttentionTiles:
 # tutorial and jax's Pallas attention, smaller where float32 or a 256-wide head
 # would exhaust registers and shared memory. chunk_k = 512 gives a 32,768-key
 # decode 64 chunks per (sequence, kv head) (1024 made the prefill 3% faster and
-# a 4096-key decode of one sequence 20% slower). The row tile, warps and stages
-# do not change a row's bits; block_k and chunk_k do, never invariance.
+# a 4096-key decode of one sequence 20% slower). block_k = 128 is the Mosaic
+# prefill's key block (pallas_kernels.attention_hopper; 2-14% faster than 64 on
+# the H100, thirty-eighth session). The row tile, warps and stages do not change
+# a row's bits; block_k and chunk_k do, never invariance.
 GPU_TILES_16BIT: tuple[tuple[int, AttentionTiles], ...] = (
-    (64, AttentionTiles(128, 64, 512, 4, 3, 64, 64, 4, 2)),
-    (128, AttentionTiles(64, 64, 512, 4, 2, 64, 64, 4, 2, split_stages=3)),
+    (64, AttentionTiles(128, 128, 512, 4, 3, 64, 64, 4, 2)),
+    (128, AttentionTiles(64, 128, 512, 4, 2, 64, 64, 4, 2, split_stages=3)),
     (256, AttentionTiles(64, 32, 512, 4, 2, 32, 32, 4, 1)),
 )
 GPU_TILES_32BIT: tuple[tuple[int, AttentionTiles], ...] = (
@@ -378,9 +384,9 @@ def _block_step(kb, state, *, q, k_ref, v_ref, base, row_pos, key_limit, masked:
   ones = jnp.ones((bk, ONES_COLUMNS), v.dtype)
   l_block = jnp.max(uncontracted(dot_f32(p, ones, precision=st.precision), native=st.native),
                     axis=1)
-  pv = uncontracted(dot_f32(p, v, precision=st.precision), native=st.native)
+  acc = multiply(acc, alpha[:, None], native=st.native)
   return (m_new, multiply_add(l, alpha, l_block, fused=st.native),
-          multiply_add(acc, alpha[:, None], pv, fused=st.native))
+          acc + uncontracted(dot_f32(p, v, precision=st.precision), native=st.native))
 
 
 def _chunk_state(q, k_ref, v_ref, *, base, first_block, end_block, clear_end, row_pos,

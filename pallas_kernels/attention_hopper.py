@@ -12,7 +12,7 @@ either and decode (Triton) still matches it bit for bit:
   packed rows, which TMA reads from and writes to the natural [B, T, N, H]
   layout, with no packing pass: a row's arithmetic is the same whichever rows
   sit beside it in its tile (:func:`_query_rows`);
-* keys in 64-key blocks aligned to absolute positions, in increasing order, in
+* keys in 128-key blocks aligned to absolute positions, in increasing order, in
   chunks of ``chunk_k`` keys that start from the empty state and merge into the
   total with :func:`~pallas_kernels.attention.merge_states`, which with
   :func:`~pallas_kernels.attention.finalize_state` runs here on
@@ -20,20 +20,22 @@ either and decode (Triton) still matches it bit for bit:
   for the reciprocal (``rcp.rn.f32`` here, ``div.rn.f32`` of 1 there: both the
   IEEE-rounded ``1 / x``, so the same bits);
 * the logits ``mul.rn(q . k, scale * log2(e))``, the row sum of a block from
-  ``p @ ones`` on the tensor cores, ``p @ V`` from zero and one ``fma.rn`` into
-  the state: the same k16 ``wgmma`` chains as Triton's dots.
+  ``p @ ones`` on the tensor cores, and ``p @ V`` accumulated onto
+  ``mul.rn(acc, alpha)`` in the wgmma accumulator: the same k16 chains as
+  Triton's dots, which fold ``acc + p @ V`` into theirs.
 
 A prefill CTA owns 128 queries of one (sequence, query head): one producer
 warpgroup streams K/V blocks into a ring of shared-memory stages, two consumer
 warpgroups each take 64 rows. They run free of each other: the warp schedulers
 overlap one's softmax with the other's products (making them take turns on the
 tensor cores, as FlashAttention-3 does, cost 2-8% at 8 of 10 shapes on the
-H100). Each consumer also issues the next key block's ``q . k`` before its
-softmax of this block, so its own tensor-core work runs under its softmax; the
-producer loads one block past the CTA's last for the last step to issue (on the
-H100 2-7% faster at T = 2048-8192 with H = 128, 1% slower with H = 64, even to 3%
-slower at T = 512). The chunk total's accumulator lives in shared memory
-(registers would spill).
+H100). A consumer holds the block's logits, the chunk's state and the chunk
+total in registers. 128-key blocks with ``p @ V`` accumulated into the state
+were 2-14% faster on the H100 than 64-key blocks with ``p @ V`` from zero that
+issued the next block's ``q . k`` during the softmax (B = 4, T = 4096: 5%
+causal, 14% not). That overlap does not fit beside 128-key blocks: registers,
+or shared memory with the chunk total there; with V single-buffered to make
+room, it ran 10-20% slower than the 64-key kernel at three of four shapes.
 
 The backward (:func:`attention_backward`) computes the bits of the Triton dK/dV
 and dQ kernels at their 64 x 64 tiles: the same probabilities and ``ds``
@@ -67,21 +69,26 @@ CTA_ROWS = 2 * ROWS
 STAGES = 2          # K/V blocks in flight (3 ran 2% slower at the bench prefill)
 HEAD_DIMS = (64, 128)
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-BLOCK_K = 64        # the only key block the kernel takes (the 16-bit tiles' block_k)
+PREFILL_BLOCK_K = 128  # the prefill's key block (the 16-bit tiles' block_k)
+BACKWARD_BLOCK_K = 64  # the backward's (their bwd_block_k)
+# A prefill consumer holds a 128-key block's logits, the chunk's state and the
+# chunk total in registers (64 each); its producer needs few.
+PREFILL_CONSUMER_REGISTERS = 240
+PREFILL_PRODUCER_REGISTERS = 24
 TMA_ROWS = 8        # TMA tiles a sequence by 8 keys
 
 
 def supported(dtype, head_dim: int, tiles: tri.AttentionTiles) -> bool:
   """Whether the prefill kernel computes a prefill with these inputs and tiles."""
   return (jnp.dtype(dtype) in DTYPES and head_dim in HEAD_DIMS
-          and tiles.block_k == BLOCK_K and tiles.chunk_k % BLOCK_K == 0)
+          and tiles.block_k == PREFILL_BLOCK_K and tiles.chunk_k % PREFILL_BLOCK_K == 0)
 
 
 def supported_backward(dtype, head_dim: int, tiles: tri.AttentionTiles) -> bool:
   """Whether the backward kernels give the Triton backward's bits for these
   inputs and tiles (they compute its 64 x 64 tiles)."""
   return (jnp.dtype(dtype) in DTYPES and head_dim in HEAD_DIMS
-          and (tiles.bwd_block_q, tiles.bwd_block_k) == (ROWS, BLOCK_K))
+          and (tiles.bwd_block_q, tiles.bwd_block_k) == (ROWS, BACKWARD_BLOCK_K))
 
 
 def _ptx_op(asm: str):
@@ -224,14 +231,14 @@ def _consumer_rows(wg, row_tile, b, n, queries: tri._Static):
   return (b, pl.ds(first, ROWS), n), first < queries.rows
 
 
-def _bounds(wg, kv_len, offset, row_tile, st: tri._Static):
-  """A consumer's first row, key limit, key blocks and first masked block
-  (:func:`~pallas_kernels.attention.tile_key_bounds` of its 64 rows; none for
-  rows wholly past the array)."""
+def _bounds(wg, kv_len, offset, row_tile, st: tri._Static, block_k: int):
+  """A consumer's first row, key limit, key blocks of ``block_k`` keys and first
+  masked block (:func:`~pallas_kernels.attention.tile_key_bounds` of its 64 rows;
+  none for rows wholly past the array)."""
   row_start = _first_row(wg, row_tile)
   key_limit, bound, clear = tri.tile_key_bounds(row_start, ROWS, kv_len, offset, st)
   bound = jnp.where(row_start < st.rows, bound, 0)
-  return row_start, key_limit, (bound + BLOCK_K - 1) // BLOCK_K, clear // BLOCK_K
+  return row_start, key_limit, (bound + block_k - 1) // block_k, clear // block_k
 
 
 def _query_rows(st: tri._Static) -> tri._Static:
@@ -318,28 +325,25 @@ def _read_scalars(scalars_ref, scalar_smem, loaded, b, st: tri._Static, dense: b
 
 
 def _stream_key_blocks(k_ref, v_ref, k_smem, v_smem, loaded, used, b, h, num_blocks, *,
-                       one_more: bool = False):
-  """The producer of a kernel that walks key blocks 0 .. num_blocks - 1 of
-  (sequence b, kv head h): each block's K and V into the ring of STAGES slots,
-  a slot's K (V) refilled once both consumers have released that K (V). With
-  ``one_more``, a last load after them (of block num_blocks - 1 again, or 0):
-  what consumers that take each block's keys a block ahead read past the last."""
+                       block_k: int):
+  """The producer of a kernel that walks key blocks of ``block_k`` keys 0 ..
+  num_blocks - 1 of (sequence b, kv head h): each block's K and V into the ring
+  of STAGES slots, a slot's K (V) refilled once both consumers have released
+  that K (V)."""
   plgpu = mosaic_gpu()
   (k_loaded, v_loaded), (k_used, v_used) = loaded, used
-  last_block = jnp.maximum(num_blocks - 1, 0)
-  num_loads = num_blocks + 1 if one_more else num_blocks
 
   def load(kb, slot, ref, smem, barrier):
-    block = (b, pl.ds(jnp.minimum(kb, last_block) * BLOCK_K, BLOCK_K), h)
+    block = (b, pl.ds(kb * block_k, block_k), h)
     plgpu.copy_gmem_to_smem(ref.at[block], smem.at[slot], barrier.at[slot])
 
   for kb in range(STAGES):
-    @pl.when(kb < num_loads)
+    @pl.when(kb < num_blocks)
     def _():
       load(kb, kb, k_ref, k_smem, k_loaded)
       load(kb, kb, v_ref, v_smem, v_loaded)
 
-  @pl.loop(STAGES, jnp.maximum(num_loads, STAGES))
+  @pl.loop(STAGES, jnp.maximum(num_blocks, STAGES))
   def _(kb):
     slot = lax.rem(kb, STAGES)
     plgpu.barrier_wait(k_used.at[slot])
@@ -353,10 +357,10 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
   plgpu = mosaic_gpu()
   ops = mosaic_ops()
   wgmma_layout = plgpu.Layout.WGMMA
-  (q_smem, k_smem, v_smem, ones_smem, total_smem, lse_smem, scalar_smem), \
+  (q_smem, k_smem, v_smem, ones_smem, lse_smem, scalar_smem), \
       (k_loaded, v_loaded, q_loaded, scalars_loaded), (k_used, v_used) = scratch
   dtype, width = q_smem.dtype, st.width
-  blocks_per_chunk = st.tiles.chunk_k // BLOCK_K
+  blocks_per_chunk = st.tiles.chunk_k // PREFILL_BLOCK_K
   wg = lax.axis_index("wg")
   queries = _query_rows(st)
   row_tile, b, n = _longest_first(queries), lax.axis_index("batch"), lax.axis_index("head")
@@ -368,80 +372,62 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
     plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], q_loaded.at[wg])
 
   kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b, st, dense)
-  cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, queries)[2],
-                           _bounds(1, kv_len, offset, row_tile, queries)[2])
+  cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, queries, PREFILL_BLOCK_K)[2],
+                           _bounds(1, kv_len, offset, row_tile, queries, PREFILL_BLOCK_K)[2])
 
   @pl.when(wg < 2)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
-    row_start, key_limit, num_blocks, clear_end = _bounds(wg, kv_len, offset, row_tile, queries)
-    ones_smem[wg] = plgpu.layout_cast(jnp.full((BLOCK_K, tri.ONES_COLUMNS), 1.0, dtype),
+    plgpu.set_max_registers(PREFILL_CONSUMER_REGISTERS, action="increase")
+    row_start, key_limit, num_blocks, clear_end = _bounds(wg, kv_len, offset, row_tile, queries,
+                                                          PREFILL_BLOCK_K)
+    ones_smem[wg] = plgpu.layout_cast(jnp.full((PREFILL_BLOCK_K, tri.ONES_COLUMNS), 1.0, dtype),
                                       wgmma_layout)
-    total_smem[wg] = plgpu.layout_cast(jnp.full((ROWS, width), 0.0, jnp.float32), wgmma_layout)
     plgpu.commit_smem()
     pl.when(has_rows)(lambda: plgpu.barrier_wait(q_loaded.at[wg]))
-    key_ids = _iota((ROWS, BLOCK_K), 1)
-    row_pos = offset + row_start + _iota((ROWS, BLOCK_K), 0) if st.causal else None
-    logit_scale = _logit_scale(st)
+    shape = (ROWS, PREFILL_BLOCK_K)
 
     def block_step(kb, state, *, masked: bool):
-      """``attention._block_step`` on key block ``kb``, in wgmma and PTX ops, on
-      its logits ``s`` (issued by the step before); the next block's q . k runs
-      on the tensor cores during this block's softmax."""
-      slot, next_slot = lax.rem(kb, STAGES), lax.rem(kb + 1, STAGES)
-      m, l, acc, s = state
-      plgpu.barrier_wait(k_loaded.at[next_slot])
+      """``attention._block_step`` on key block ``kb``, in wgmma and PTX ops:
+      ``acc * alpha`` becomes the accumulator that ``p @ V``'s wgmma chain adds to."""
+      slot = lax.rem(kb, STAGES)
+      m, l, acc = state
+      plgpu.barrier_wait(k_loaded.at[slot])
+      s = _logits(q_smem.at[wg], k_smem.at[slot], shape, st)
+      plgpu.barrier_arrive(k_used.at[slot])
+      if masked:
+        row_pos = offset + row_start + _iota(shape, 0) if st.causal else None
+        s = _masked(s, kb * PREFILL_BLOCK_K + _iota(shape, 1), key_limit, row_pos)
+      m_new = jnp.maximum(m, s.max(axis=1))
+      shift = tri._finite_or_zero(m_new)
+      alpha = ops.exp2(m - shift)
+      p = ops.exp2(s - ops.rows(shift, s.shape)).astype(dtype)
+      scaled = ops.mul(acc, ops.rows(alpha, acc.shape))
+      plgpu.barrier_wait(v_loaded.at[slot])
 
-      def step(next_ref):
-        _issue_logits(next_ref, q_smem.at[wg], k_smem.at[next_slot])
-        s_kb = _masked(s, kb * BLOCK_K + key_ids, key_limit, row_pos) if masked else s
-        m_new = jnp.maximum(m, s_kb.max(axis=1))
-        shift = tri._finite_or_zero(m_new)
-        alpha = ops.exp2(m - shift)
-        p = ops.exp2(s_kb - ops.rows(shift, s_kb.shape)).astype(dtype)
-        plgpu.barrier_wait(v_loaded.at[slot])
+      def products(accumulators):
+        sums_ref, acc_ref = accumulators
+        plgpu.wgmma(sums_ref, p, ones_smem.at[wg])
+        plgpu.wgmma(acc_ref, p, v_smem.at[slot])
 
-        def products(sums_ref, pv_ref):
-          plgpu.wgmma(sums_ref, p, ones_smem.at[wg])
-          plgpu.wgmma(pv_ref, p, v_smem.at[slot])
-          return sums_ref[...], pv_ref[...]
+      zero_sums = plgpu.layout_cast(jnp.full((ROWS, tri.ONES_COLUMNS), 0.0, jnp.float32),
+                                    wgmma_layout)
+      sums, acc = pl.run_state(products)((plgpu.ACC.init(zero_sums), plgpu.ACC.init(scaled)))
+      plgpu.barrier_arrive(v_used.at[slot])
+      return m_new, ops.fma(l, alpha, _equal_columns_row(sums)), acc
 
-        sums, pv = pl.run_scoped(products, plgpu.ACC((ROWS, tri.ONES_COLUMNS), jnp.float32),
-                                 plgpu.ACC((ROWS, width), jnp.float32))
-        plgpu.barrier_arrive(v_used.at[slot])
-        l_block = _equal_columns_row(sums)
-        return (m_new, ops.fma(l, alpha, l_block), ops.fma(acc, ops.rows(alpha, acc.shape), pv),
-                next_ref[...])
-
-      *state, s_next = pl.run_scoped(step, plgpu.ACC((ROWS, BLOCK_K), jnp.float32))
-      plgpu.barrier_arrive(k_used.at[next_slot])
-      return *state, logit_scale(s_next)
-
-    def chunk(c, carry):
-      *total, s = carry
+    def chunk(c, total):
       first = c * blocks_per_chunk
       end = jnp.minimum(first + blocks_per_chunk, num_blocks)
       middle = jnp.clip(clear_end, first, end)
-      state = (*_empty(width), s)
-      state = lax.fori_loop(first, middle, functools.partial(block_step, masked=False), state)
-      *state, s = lax.fori_loop(middle, end, functools.partial(block_step, masked=True), state)
-      total_acc = total_smem[wg]
-      m, l, total_acc = tri.merge_states((*total, total_acc), state, ops)
-      total_smem[wg] = total_acc
-      return m, l, s
+      state = lax.fori_loop(first, middle, functools.partial(block_step, masked=False),
+                            _empty(width))
+      state = lax.fori_loop(middle, end, functools.partial(block_step, masked=True), state)
+      return tri.merge_states(total, state, ops)
 
-    # Block 0's keys (loaded for any CTA, see _stream_key_blocks' one_more), and
-    # each step the next block's: blocks 0 .. num_blocks, the last unused.
-    plgpu.barrier_wait(k_loaded.at[0])
-    s = _logits(q_smem.at[wg], k_smem.at[0], (ROWS, BLOCK_K), st)
-    plgpu.barrier_arrive(k_used.at[0])
     num_chunks = (num_blocks + blocks_per_chunk - 1) // blocks_per_chunk
-    m, l, _ = lax.fori_loop(0, num_chunks, chunk, (*_empty(width)[:2], s))
-    slot = lax.rem(num_blocks, STAGES)
-    plgpu.barrier_wait(v_loaded.at[slot])
-    plgpu.barrier_arrive(v_used.at[slot])
+    total = lax.fori_loop(0, num_chunks, chunk, _empty(width))
 
-    @pl.loop(num_blocks + 1, cta_blocks + 1)
+    @pl.loop(num_blocks, cta_blocks)
     def _drain(kb):
       """Blocks the other consumer needs: consumed unseen."""
       slot = lax.rem(kb, STAGES)
@@ -450,8 +436,7 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
       plgpu.barrier_wait(v_loaded.at[slot])
       plgpu.barrier_arrive(v_used.at[slot])
 
-    acc = total_smem[wg]
-    out, lse = tri.finalize_state((m, l, acc), ops)
+    out, lse = tri.finalize_state(total, ops)
     q_smem[wg] = out.astype(dtype)
     lse_smem[wg] = lse
     plgpu.commit_smem()
@@ -464,10 +449,9 @@ def _kernel(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, scratch, *, st: tr
 
   @pl.when(wg == 2)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
-
+    plgpu.set_max_registers(PREFILL_PRODUCER_REGISTERS, action="decrease")
     _stream_key_blocks(k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded), (k_used, v_used),
-                       b, h, cta_blocks, one_more=True)
+                       b, h, cta_blocks, block_k=PREFILL_BLOCK_K)
 
 
 def _checked_static(kernel: str, takes: bool, tile_terms: str, q, k, *, scale: float,
@@ -495,22 +479,21 @@ def attention_forward(q, k, v, kv_lengths, q_offsets, *, scale: float, causal: b
   plgpu = mosaic_gpu()
   b, t, n, head_dim = q.shape
   kv_heads = k.shape[2]
-  st = _checked_static("prefill", supported(q.dtype, head_dim, tiles), f"{BLOCK_K}-key blocks",
-                       q, k, scale=scale, causal=causal, tiles=tiles)
+  st = _checked_static("prefill", supported(q.dtype, head_dim, tiles),
+                       f"{PREFILL_BLOCK_K}-key blocks", q, k, scale=scale, causal=causal,
+                       tiles=tiles)
   row_tiles = cdiv(t, CTA_ROWS)
   q, k = _tma_padded(q), _tma_padded(k)
   v = _zeroed_past_lengths(v, None if dense else kv_lengths)
   scalars = _scalars(kv_lengths, q_offsets)
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   ones_tiled = (plgpu.TilingTransform((8, tri.ONES_COLUMNS)), plgpu.SwizzleTransform(32))
-  total_tiled = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
 
   def entry(scalars_ref, q_ref, k_ref, v_ref, o_ref, lse_ref):
     smem = (plgpu.SMEM((2, ROWS, head_dim), q.dtype, transforms=tiled),
-            plgpu.SMEM((STAGES, BLOCK_K, head_dim), q.dtype, transforms=tiled),
-            plgpu.SMEM((STAGES, BLOCK_K, head_dim), q.dtype, transforms=tiled),
-            plgpu.SMEM((2, BLOCK_K, tri.ONES_COLUMNS), q.dtype, transforms=ones_tiled),
-            plgpu.SMEM((2, ROWS, head_dim), jnp.float32, transforms=total_tiled),
+            plgpu.SMEM((STAGES, PREFILL_BLOCK_K, head_dim), q.dtype, transforms=tiled),
+            plgpu.SMEM((STAGES, PREFILL_BLOCK_K, head_dim), q.dtype, transforms=tiled),
+            plgpu.SMEM((2, PREFILL_BLOCK_K, tri.ONES_COLUMNS), q.dtype, transforms=ones_tiled),
             plgpu.SMEM((2, ROWS), jnp.float32),
             plgpu.SMEM((2, 32), jnp.int32))
     loaded = (plgpu.Barrier(num_barriers=STAGES), plgpu.Barrier(num_barriers=STAGES),
@@ -553,9 +536,9 @@ def _dkdv_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dk_ref, dv
   key_limit = tri._key_limit(kv_len, st.seq)
 
   def bounds(consumer):
-    key_start = (key_tile * 2 + consumer) * BLOCK_K
-    return (key_start, *tri.key_tile_row_bounds(key_start, BLOCK_K, ROWS, key_limit, offset,
-                                                st))
+    key_start = (key_tile * 2 + consumer) * BACKWARD_BLOCK_K
+    return (key_start, *tri.key_tile_row_bounds(key_start, BACKWARD_BLOCK_K, ROWS, key_limit,
+                                                offset, st))
 
   cta_first, num_blocks = jnp.minimum(bounds(0)[1], bounds(1)[1]), bounds(0)[3]
 
@@ -563,7 +546,7 @@ def _dkdv_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dk_ref, dv
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
     key_start, first, clear, _ = bounds(wg)
-    kv_block = (b, pl.ds(key_start, BLOCK_K), h)
+    kv_block = (b, pl.ds(key_start, BACKWARD_BLOCK_K), h)
     plgpu.copy_gmem_to_smem(k_ref.at[kv_block], k_smem.at[wg], kv_loaded.at[wg])
     plgpu.copy_gmem_to_smem(v_ref.at[kv_block], v_smem.at[wg], kv_loaded.at[2 + wg])
     plgpu.barrier_wait(kv_loaded.at[wg])
@@ -575,7 +558,7 @@ def _dkdv_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dk_ref, dv
       slot = lax.rem(rb, STAGES)
       plgpu.barrier_wait(rows_loaded.at[slot])
 
-      s_t = _logits(k_smem.at[wg], q_smem.at[slot], (BLOCK_K, ROWS), st)
+      s_t = _logits(k_smem.at[wg], q_smem.at[slot], (BACKWARD_BLOCK_K, ROWS), st)
       if masked:
         positions = None
         if st.causal:
@@ -608,7 +591,8 @@ def _dkdv_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dk_ref, dv
       plgpu.barrier_wait(rows_loaded.at[slot])
       plgpu.barrier_arrive(rows_used.at[slot])
 
-    zeros = plgpu.layout_cast(jnp.full((BLOCK_K, st.width), 0.0, jnp.float32), wgmma_layout)
+    zeros = plgpu.layout_cast(jnp.full((BACKWARD_BLOCK_K, st.width), 0.0, jnp.float32),
+                              wgmma_layout)
     carry = lax.fori_loop(first, clear, functools.partial(row_block, masked=True),
                           (zeros, zeros))
     dk, dv = lax.fori_loop(clear, num_blocks, functools.partial(row_block, masked=False), carry)
@@ -663,13 +647,14 @@ def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scra
                             rows_loaded.at[wg])
 
   kv_len, offset = _read_scalars(scalars_ref, scalar_smem, scalars_loaded.at[0], b, st, dense)
-  cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, queries)[2],
-                           _bounds(1, kv_len, offset, row_tile, queries)[2])
+  cta_blocks = jnp.maximum(_bounds(0, kv_len, offset, row_tile, queries, BACKWARD_BLOCK_K)[2],
+                           _bounds(1, kv_len, offset, row_tile, queries, BACKWARD_BLOCK_K)[2])
 
   @pl.when(wg < 2)
   def _consumer():
     plgpu.set_max_registers(232, action="increase")
-    row_start, key_limit, num_blocks, clear_end = _bounds(wg, kv_len, offset, row_tile, queries)
+    row_start, key_limit, num_blocks, clear_end = _bounds(wg, kv_len, offset, row_tile, queries,
+                                                          BACKWARD_BLOCK_K)
     pl.when(has_rows)(lambda: plgpu.barrier_wait(rows_loaded.at[wg]))
     by_row = plgpu.Layout.WGMMA.reduce(1)
     lse = plgpu.layout_cast(stats_smem[wg, 0], by_row)
@@ -679,10 +664,10 @@ def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scra
       slot = lax.rem(kb, STAGES)
       plgpu.barrier_wait(k_loaded.at[slot])
 
-      s = _logits(q_smem.at[wg], k_smem.at[slot], (ROWS, BLOCK_K), st)
+      s = _logits(q_smem.at[wg], k_smem.at[slot], (ROWS, BACKWARD_BLOCK_K), st)
       if masked:
         positions = offset + row_start + _iota(s.shape, 0) if st.causal else None
-        s = _masked(s, kb * BLOCK_K + _iota(s.shape, 1), key_limit, positions)
+        s = _masked(s, kb * BACKWARD_BLOCK_K + _iota(s.shape, 1), key_limit, positions)
       p = ops.exp2(s - ops.rows(lse, s.shape))
       plgpu.barrier_wait(v_loaded.at[slot])
 
@@ -690,7 +675,7 @@ def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scra
         plgpu.wgmma(acc_ref, do_smem.at[wg], v_smem.at[slot].transpose((1, 0)))
         return acc_ref[...]
 
-      dp = pl.run_scoped(dp_of, plgpu.ACC((ROWS, BLOCK_K), jnp.float32))
+      dp = pl.run_scoped(dp_of, plgpu.ACC((ROWS, BACKWARD_BLOCK_K), jnp.float32))
       plgpu.barrier_arrive(v_used.at[slot])
       ds = p * (dp - ops.rows(delta, s.shape))
 
@@ -727,7 +712,7 @@ def _dq_kernel(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dq_ref, scra
   def _producer():
     plgpu.set_max_registers(40, action="decrease")
     _stream_key_blocks(k_ref, v_ref, k_smem, v_smem, (k_loaded, v_loaded), (k_used, v_used),
-                       b, h, cta_blocks)
+                       b, h, cta_blocks, block_k=BACKWARD_BLOCK_K)
 
 
 def attention_backward(q, k, v, dout, lse, delta, kv_lengths, q_offsets, *, scale: float,
@@ -744,8 +729,8 @@ def attention_backward(q, k, v, dout, lse, delta, kv_lengths, q_offsets, *, scal
   b, t, n, head_dim = q.shape
   seq, kv_heads = k.shape[1], k.shape[2]
   st = _checked_static("backward", supported_backward(q.dtype, head_dim, tiles),
-                       f"{ROWS} x {BLOCK_K} backward tiles", q, k, scale=scale, causal=causal,
-                       tiles=tiles)
+                       f"{ROWS} x {BACKWARD_BLOCK_K} backward tiles", q, k, scale=scale,
+                       causal=causal, tiles=tiles)
   rows = st.rows
   padded_rows = cdiv(rows, ROWS) * ROWS
   row_pad = ((0, 0), (0, 0), (0, padded_rows - rows), (0, 0))
@@ -757,7 +742,7 @@ def attention_backward(q, k, v, dout, lse, delta, kv_lengths, q_offsets, *, scal
   scalars = _scalars(kv_lengths, q_offsets)
   tiled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
   blocks = plgpu.SMEM((2, ROWS, head_dim), q.dtype, transforms=tiled)
-  stream = plgpu.SMEM((STAGES, BLOCK_K, head_dim), q.dtype, transforms=tiled)
+  stream = plgpu.SMEM((STAGES, BACKWARD_BLOCK_K, head_dim), q.dtype, transforms=tiled)
 
   def dkdv_entry(scalars_ref, q_ref, do_ref, stats_ref, k_ref, v_ref, dk_ref, dv_ref):
     smem = (blocks, blocks, stream, stream, plgpu.SMEM((STAGES, 2, ROWS), jnp.float32),
@@ -770,11 +755,12 @@ def attention_backward(q, k, v, dout, lse, delta, kv_lengths, q_offsets, *, scal
                                       dk_ref, dv_ref, scratch, st=st, dense=dense),
         smem, loaded, used, collective_axes="wg")
 
-  padded_seq = cdiv(seq, 2 * BLOCK_K) * 2 * BLOCK_K
+  padded_seq = cdiv(seq, 2 * BACKWARD_BLOCK_K) * 2 * BACKWARD_BLOCK_K
   kv_grad = jax.ShapeDtypeStruct((b, padded_seq, kv_heads, head_dim), k.dtype)
   dk, dv = plgpu.kernel(
       dkdv_entry, out_type=(kv_grad, kv_grad),
-      grid=(padded_seq // (2 * BLOCK_K), b, kv_heads), grid_names=("keys", "batch", "kv_head"),
+      grid=(padded_seq // (2 * BACKWARD_BLOCK_K), b, kv_heads),
+      grid_names=("keys", "batch", "kv_head"),
       num_threads=3, thread_name="wg",
   )(scalars, qp, dop, stats, k, v)
 
