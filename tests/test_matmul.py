@@ -325,6 +325,24 @@ def test_contraction_loop_deep_steps_in_order():
     kernels.MatmulTiles(16, 16, 2, 10, step_k=96)
 
 
+def test_deep_steps_run_the_kernel_in_interpret_mode():
+  """The Pallas Triton kernel with 256-deep steps (``MatmulTiles.step_k``), NN and
+  NT, over a contraction of whole deep steps, single steps and a partial step, with
+  and without chunks: every index summed once (the float64 product to float32
+  accuracy; on the GPU the bits are the 64-deep steps', which the GPU envelope
+  checks)."""
+  rng = np.random.default_rng(256)
+  lhs = random_normal(rng, (1, 5, 1000), jnp.bfloat16)
+  rhs = random_normal(rng, (1, 1000, 24), jnp.bfloat16)
+  want = np.asarray(lhs, np.float64)[0] @ np.asarray(rhs, np.float64)[0]
+  deep = dataclasses.replace(kernels.INTERPRET_TILES, step_k=256)
+  for transpose_b, operand in ((False, rhs), (True, jnp.swapaxes(rhs, 1, 2))):
+    for chunk in (None, 320):
+      got = kernels.matmul(lhs, operand, transpose_b=transpose_b, out_dtype=jnp.float32,
+                           precision=None, tiles=deep, interpret=True, contraction_chunk=chunk)
+      assert relative_error(got[0], jnp.asarray(want, jnp.float32)) < 1e-6, (transpose_b, chunk)
+
+
 def test_plan_routes_chunked_contractions_to_pallas_triton():
   """A chunked contraction runs on the Pallas Triton kernel with the ladder's
   tiles, whatever would serve the GEMM otherwise, and a chunk that covers the
