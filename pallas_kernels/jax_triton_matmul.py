@@ -14,6 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.matmul import BLOCK_K
+
 INSTALL_HINT = ("python3 -m pip install 'jdet[triton]' (jax-triton >= 0.3.1 with triton >= 3.6, "
                 "and a CUDA build of jax: 'jdet[cuda,triton]')")
 
@@ -30,16 +32,26 @@ def load():
   return jax_triton, triton_matmul
 
 
+def _check_steps(tiles):
+  """The Triton kernel loads BLOCK_K-deep steps only (``MatmulTiles.step_k`` is the
+  Pallas Triton kernel's); refuses other tiles rather than running them with stages
+  fitted to deeper steps."""
+  if tiles.step_k != BLOCK_K:
+    raise ValueError(f"the jax-triton kernel takes step_k = {BLOCK_K} tiles, got {tiles}")
+
+
 def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles):
   """Same contract and shapes as :func:`pallas_kernels.matmul.matmul`, on the Triton kernel.
 
   a: [G, M, K]; b: [Gb, K, N] (or [Gb, N, K] if transpose_b), Gb in {1, G}.
   """
+  _check_steps(tiles)
   return _matmul_launcher(transpose_b, jnp.dtype(out_dtype), precision, tiles)(a, b)
 
 
 def matmul_at_b(a, d, *, out_dtype, precision, tiles):
   """Same contract and shapes as :func:`pallas_kernels.matmul.matmul_at_b`, on Triton."""
+  _check_steps(tiles)
   return _at_b_launcher(jnp.dtype(out_dtype), precision, tiles)(a, d)
 
 

@@ -284,9 +284,9 @@ def test_plan_interpret_and_backend_choices():
 
 def _contraction_walk(k: int, **options):
   """The steps ``kernels.contraction_loop`` takes over ``k`` indices: per index,
-  ``10 * width + masked`` of the step that covers it (0: not covered; 2 or more:
-  covered more than once, as one step's code plus another's), and without
-  ``chunk`` the (start, width, masked) of each step in order."""
+  the sum of ``10 * width + masked`` over the steps that cover it (0: none), and
+  without ``chunk`` the (start, width, masked) of each step in order (a chunk's
+  sum starts from ``zeros_like`` of one array, so there the order is not kept)."""
   size = kernels.cdiv(k, 256) * 256 + 256
   def step(ks, k_mask, acc):
     covered, order, count = acc
@@ -295,7 +295,7 @@ def _contraction_walk(k: int, **options):
         jnp.zeros_like(covered), jnp.full((ks.size,), code, jnp.int32), (ks.start,))
     order = order.at[count].set(jnp.array([ks.start, ks.size, k_mask is not None]))
     return covered, order, count + 1
-  if "chunk" in options:  # a chunk's sums start from zeros_like: one array, no order
+  if "chunk" in options:
     def chunk_step(ks, k_mask, covered):
       return step(ks, k_mask, (covered, jnp.zeros((64, 3), jnp.int32), 0))[0]
     return np.asarray(jax.jit(lambda: kernels.contraction_loop(

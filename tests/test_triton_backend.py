@@ -83,6 +83,18 @@ def host_triton(monkeypatch):
   triton_backend._at_b_launcher.cache_clear()
 
 
+def test_triton_launchers_refuse_deep_steps():
+  """The Triton kernel loads 64-deep steps only: a tile with ``step_k`` (the Pallas
+  Triton kernel's) is refused before anything is loaded or launched."""
+  deep = kernels.MatmulTiles(16, 16, 4, 10, step_k=256)
+  a = np.ones((1, 16, 512), np.float32)
+  with pytest.raises(ValueError, match="takes step_k = 64 tiles"):
+    triton_backend.matmul(a, a.swapaxes(1, 2), transpose_b=False, out_dtype=jnp.float32,
+                          precision=None, tiles=deep)
+  with pytest.raises(ValueError, match="takes step_k = 64 tiles"):
+    triton_backend.matmul_at_b(a, a, out_dtype=jnp.float32, precision=None, tiles=deep)
+
+
 @pytest.mark.parametrize("transpose_b", [False, True])
 def test_triton_launcher_vmap_rules_keep_every_entry(host_triton, transpose_b):
   """Every way of mapping (a, b) folds into groups or rows and gives each entry the
