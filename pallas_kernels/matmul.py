@@ -121,16 +121,25 @@ GPU_ONE_ROW_OF_TILES = 64  # up to this many rows, one row of tiles holds them a
 # three of 16 x 64 (5% faster).
 GPU_PROGRAM_OVERHEAD = 64
 # The ladder's smallest stages (a 64-deep stage of at most DEEP_STEP_STAGE_BYTES:
-# 16 x 16 in 16 bits) load DEEP_STEP_K-deep steps instead, in a one-wave grid over a
-# contraction of at least DEEP_STEP_MIN_CONTRACTION that its stages hold whole
-# (``matmul_plan.triton_tiles``): such a program waits on each of its many small
-# loads in turn, not on bandwidth. On the H100 (benchmarks/results/h100.md,
-# thirty-eighth section), with the same bits: 16 x 16 over K = 2048-2240 11-24%
-# faster (the 2048 x 1536 expert at M = 1-16 16-22%), over K = 704-1536 3-19%
-# slower; 16 x 32 and 16 x 64 tiles 4-18% slower at 13 of 14 shapes.
+# 16 x 16 in 16 bits), in a one-wave grid over a contraction of at least
+# DEEP_STEP_MIN_CONTRACTION, load deeper steps (``matmul_plan.triton_tiles``): such
+# a program waits on its many small loads, not on bandwidth. DEEP_STEP_K-deep
+# where the stages hold the whole contraction (NN: with DEEP_STEP_SPARE_STAGES
+# to spare, as its rhs steps are 256 rows of 32 bytes where NT's are 16 of 512),
+# else STREAMED_STEP_K-deep where every operand row is a multiple of 16 bytes
+# (vector loads). On the H100 (benchmarks/results/h100.md, thirty-eighth and
+# thirty-ninth sections), with the same bits: 256-deep over K = 2048 11-24%
+# faster than 64-deep (NT over 2240 too), NN over K = 2112-2560 (9-10 steps in 10
+# stages) 7-37% slower than 128-deep, over K = 704-1536 3-19% slower than 64-deep;
+# 128-deep over K = 2112-14336 faster than 64-deep at 31 of 35 shapes (up to 39%),
+# 2-7% slower at three NT ones and 11% at a 4100 x 2050 weight whose rows are not
+# 16-byte multiples; 16 x 32 and 16 x 64 tiles 4-18% slower at 256-deep at 13 of
+# 14 shapes.
 DEEP_STEP_K = 256
+STREAMED_STEP_K = 128
 DEEP_STEP_STAGE_BYTES = 4096
 DEEP_STEP_MIN_CONTRACTION = 2048
+DEEP_STEP_SPARE_STAGES = 2
 
 # dB = Aᵀ @ D tiles on the GPU: the output is [K, N], so they never depend on the
 # row count (`tune_matmul.py --at-b`; notes/h100_notebook.md, "GEMM tile sweep").

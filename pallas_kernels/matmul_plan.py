@@ -146,10 +146,12 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   operands; ties go to the larger tile). The tile takes its ``one_wave_stages``
   when the grid is a single wave; stages are fitted to shared memory. In a
   single wave, the smallest stages (``DEEP_STEP_STAGE_BYTES``) over a long
-  ``contraction`` that their stages hold whole at ``DEEP_STEP_K`` deep take
-  such steps (the Pallas Triton kernel's ``step_k``, see pallas_kernels.matmul's
-  constants; the jax-triton kernel and the PyTorch interop plan without
-  ``contraction``, so with ``BLOCK_K`` steps).
+  ``contraction`` take deeper steps (the Pallas Triton kernel's ``step_k``):
+  ``DEEP_STEP_K`` where their stages hold it whole (NN: with
+  ``DEEP_STEP_SPARE_STAGES`` to spare), else ``STREAMED_STEP_K`` where every
+  operand row is a multiple of 16 bytes (see pallas_kernels.matmul's constants;
+  the jax-triton kernel and the PyTorch interop plan without ``contraction``, so
+  with ``BLOCK_K`` steps).
   """
   if layout is Layout.TN:
     return pallas_triton.fit_stages(pallas_triton.GPU_AT_B_TILES, dtype, out_dtype)
@@ -171,12 +173,19 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   tiles = pallas_triton.fit_stages(
       dataclasses.replace(tiles, num_stages=tiles.one_wave_stages or tiles.num_stages),
       dtype, out_dtype)
-  if (contraction is not None and contraction >= pallas_triton.DEEP_STEP_MIN_CONTRACTION
-      and tiles.stage_bytes(dtype) <= pallas_triton.DEEP_STEP_STAGE_BYTES):
-    deep = pallas_triton.fit_stages(
-        dataclasses.replace(tiles, step_k=pallas_triton.DEEP_STEP_K), dtype, out_dtype)
-    if cdiv(contraction, pallas_triton.DEEP_STEP_K) <= deep.num_stages:
-      return deep
+  if (contraction is None or contraction < pallas_triton.DEEP_STEP_MIN_CONTRACTION
+      or tiles.stage_bytes(dtype) > pallas_triton.DEEP_STEP_STAGE_BYTES):
+    return tiles
+
+  def stepped(step_k):
+    return pallas_triton.fit_stages(dataclasses.replace(tiles, step_k=step_k), dtype, out_dtype)
+
+  deep = stepped(pallas_triton.DEEP_STEP_K)
+  spare = 0 if layout is Layout.NT else pallas_triton.DEEP_STEP_SPARE_STAGES
+  if cdiv(contraction, pallas_triton.DEEP_STEP_K) <= deep.num_stages - spare:
+    return deep
+  if mosaic.takes(layout, rows, cols, contraction):  # every row a multiple of 16 bytes
+    return stepped(pallas_triton.STREAMED_STEP_K)
   return tiles
 
 

@@ -463,13 +463,19 @@ def test_plan_triton_ladder_picks():
   assert pick(2048, 4100, Layout.NT) == (128, 128, 8, 3)       # a Triton-only pitch
   # 64 experts' 16-row GEMMs fill 6 waves with 16 x 128 tiles; one alone takes 16 x 16.
   assert pick(16, 1536, groups=64) == (16, 128, 4, 4)
-  # A one-wave grid of 16 x 16 stages over a contraction of 2048 to 2560 loads it in
-  # 256-deep steps, every one in flight (the expert 16-22% faster on the H100);
-  # shorter contractions, wider tiles and grids of two waves keep 64-deep steps.
-  depth = lambda rows, cols, contraction, groups=1: _plan(
-      Layout.NN, rows, cols, contraction, groups=groups).tiles.step_k
-  assert depth(16, 1536, 2048) == depth(1, 816, 2240) == depth(8, 2048, 2048) == 256
-  assert depth(16, 1536, 1536) == depth(16, 1536, 2600) == depth(16, 4096, 2048) == 64
+  # A one-wave grid of 16 x 16 stages over a contraction of at least 2048 loads it
+  # in 256-deep steps where its 10 stages hold them all (NN: 8 of them, at most
+  # 2048; the expert 16-22% faster on the H100), else in 128-deep steps where
+  # every operand row is a multiple of 16 bytes; shorter contractions, wider
+  # tiles and grids of two waves keep 64-deep steps.
+  depth = lambda rows, cols, contraction, groups=1, layout=Layout.NN: _plan(
+      layout, rows, cols, contraction, groups=groups).tiles.step_k
+  assert depth(16, 1536, 2048) == depth(8, 2048, 2048) == 256
+  assert depth(1, 816, 2240, layout=Layout.NT) == depth(16, 1536, 2560, layout=Layout.NT) == 256
+  assert depth(1, 816, 2240) == depth(16, 1536, 2600) == depth(2, 1000, 3000) == 128
+  assert depth(16, 1536, 2600, layout=Layout.NT) == depth(1, 2048, 14336) == 128
+  assert depth(1, 2050, 4100) == depth(1, 2050, 4100, layout=Layout.NT) == 64  # 16-byte rows
+  assert depth(16, 1536, 1536) == depth(16, 4096, 2048) == 64
   assert depth(16, 1536, 2048, groups=2) == depth(31, 1536, 2048) == 64
   assert _plan(Layout.NN, 16, 1536, 2048, backend="triton").tiles.step_k == 64
   assert _plan(Layout.NN, 16, 1536, 2048, jnp.float32).tiles.step_k == 64
@@ -647,11 +653,13 @@ def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
 
 def _gpu_ladder_configs():
   """Every ladder tile, with its usual stage count and its one-wave stage count,
-  and those whose stages are small enough with DEEP_STEP_K-deep steps too."""
+  and those whose stages are small enough with DEEP_STEP_K- and
+  STREAMED_STEP_K-deep steps too."""
   configs = [config for tiles in kernels.GPU_MATMUL_LADDER
              for config in (tiles, dataclasses.replace(tiles, num_stages=tiles.one_wave_stages))
              if config.num_stages]
-  return configs + [dataclasses.replace(config, step_k=kernels.DEEP_STEP_K) for config in configs
+  return configs + [dataclasses.replace(config, step_k=step_k) for config in configs
+                    for step_k in (kernels.DEEP_STEP_K, kernels.STREAMED_STEP_K)
                     if config.stage_bytes(bf16) <= kernels.DEEP_STEP_STAGE_BYTES]
 
 
