@@ -132,7 +132,7 @@ GPU_PROGRAM_OVERHEAD = 64
 # faster than 64-deep (NT over 2240 too), NN over K = 2112-2560 (9-10 steps in 10
 # stages) 7-37% slower than 128-deep, over K = 704-1536 3-19% slower than 64-deep;
 # 128-deep over K = 2112-14336 faster than 64-deep at 31 of 35 shapes (up to 39%),
-# 2-7% slower at three NT ones and 11% at a 4100 x 2050 weight whose rows are not
+# 2-6% slower at three NT ones and 11% at a 4100 x 2050 weight whose rows are not
 # 16-byte multiples; 16 x 32 and 16 x 64 tiles 4-18% slower at 256-deep at 13 of
 # 14 shapes.
 DEEP_STEP_K = 256
