@@ -126,8 +126,8 @@ GPU_PROGRAM_OVERHEAD = 64
 # a program waits on its many small loads, not on bandwidth. DEEP_STEP_K-deep
 # where the stages hold the whole contraction (NN: with DEEP_STEP_SPARE_STAGES
 # to spare, as its rhs steps are 256 rows of 32 bytes where NT's are 16 of 512),
-# else STREAMED_STEP_K-deep where every operand row is a multiple of 16 bytes
-# (vector loads). On the H100 (benchmarks/results/h100.md, thirty-eighth and
+# else STREAMED_STEP_K-deep where every row of the operands and the result is a
+# multiple of 16 bytes (vector loads). On the H100 (benchmarks/results/h100.md, thirty-eighth and
 # thirty-ninth sections), with the same bits: 256-deep over K = 2048 11-24%
 # faster than 64-deep (NT over 2240 too), NN over K = 2112-2560 (9-10 steps in 10
 # stages) 7-37% slower than 128-deep, over K = 704-1536 3-19% slower than 64-deep;

@@ -149,7 +149,8 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   ``contraction`` take deeper steps (the Pallas Triton kernel's ``step_k``):
   ``DEEP_STEP_K`` where their stages hold it whole (NN: with
   ``DEEP_STEP_SPARE_STAGES`` to spare), else ``STREAMED_STEP_K`` where every
-  operand row is a multiple of 16 bytes (see pallas_kernels.matmul's constants;
+  row of the operands and the result is a multiple of 16 bytes
+  (``hopper_matmul.takes``; see pallas_kernels.matmul's constants;
   the jax-triton kernel and the PyTorch interop plan without ``contraction``, so
   with ``BLOCK_K`` steps).
   """
@@ -184,7 +185,7 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   spare = 0 if layout is Layout.NT else pallas_triton.DEEP_STEP_SPARE_STAGES
   if cdiv(contraction, pallas_triton.DEEP_STEP_K) <= deep.num_stages - spare:
     return deep
-  if mosaic.takes(layout, rows, cols, contraction):  # every row a multiple of 16 bytes
+  if mosaic.takes(layout, rows, cols, contraction):  # 16-byte rows: vector loads
     return stepped(pallas_triton.STREAMED_STEP_K)
   return tiles
 

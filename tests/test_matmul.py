@@ -466,7 +466,7 @@ def test_plan_triton_ladder_picks():
   # A one-wave grid of 16 x 16 stages over a contraction of at least 2048 loads it
   # in 256-deep steps where its 10 stages hold them all (NN: 8 of them, at most
   # 2048; the expert 16-22% faster on the H100), else in 128-deep steps where
-  # every operand row is a multiple of 16 bytes; shorter contractions, wider
+  # every row is a multiple of 16 bytes; shorter contractions, wider
   # tiles and grids of two waves keep 64-deep steps.
   depth = lambda rows, cols, contraction, groups=1, layout=Layout.NN: _plan(
       layout, rows, cols, contraction, groups=groups).tiles.step_k
