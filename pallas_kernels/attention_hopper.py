@@ -193,21 +193,10 @@ def _logits(a_ref, b_ref, shape, st: tri._Static):
   plgpu = mosaic_gpu()
 
   def product(acc_ref):
-    _issue_logits(acc_ref, a_ref, b_ref)
+    plgpu.wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
     return acc_ref[...]
 
-  return _logit_scale(st)(pl.run_scoped(product, plgpu.ACC(shape, jnp.float32)))
-
-
-def _issue_logits(acc_ref, a_ref, b_ref):
-  """Issues the k16 wgmma chain ``acc += a @ b^T`` of :func:`_logits` on a zeroed
-  accumulator; it runs while the warpgroup goes on, until ``acc_ref`` is read."""
-  mosaic_gpu().wgmma(acc_ref, a_ref, b_ref.transpose((1, 0)))
-
-
-def _logit_scale(st: tri._Static):
-  """The product -> base-2 logits step of :func:`_logits`."""
-  return _scale_by(st.scale * tri.LOG2E)
+  return _scale_by(st.scale * tri.LOG2E)(pl.run_scoped(product, plgpu.ACC(shape, jnp.float32)))
 
 
 def _empty(width: int):
