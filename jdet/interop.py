@@ -79,10 +79,12 @@ def torch_matmul(a, b, *, precision: lax.Precision | None = None, out_dtype=None
   as_jax = {torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16,
             torch.float32: jnp.float32}
   num_sms = torch.cuda.get_device_properties(a.device).multi_processor_count
+  chunk = matmul_plan.fixed_contraction_chunk(Layout.NN, n, k)
   tiles = matmul_plan.triton_tiles(Layout.NN, m, n, as_jax[compute_dtype], as_jax[out_dtype],
-                                   num_sms=num_sms)
+                                   num_sms=num_sms, chunked=chunk is not None)
   grid, params = triton_matmul.matmul_launch(
-      1, m, n, k, transpose_b=False, shared_b=True, tiles=tiles, precision=precision)
+      1, m, n, k, transpose_b=False, shared_b=True, tiles=tiles, precision=precision,
+      contraction_chunk=chunk)
   triton_matmul.matmul_kernel[grid](rows, weight, out, num_warps=tiles.num_warps,
                                     num_stages=tiles.num_stages, **params)
   return out.reshape(*a.shape[:-1], n)

@@ -61,7 +61,11 @@ def matmul(a, b, *, precision=None, preferred_element_type=None, interpret=None,
   Invariance: row ``i`` of the result depends only on ``a``'s row ``i`` and on
   ``b``: not on M, on the row's position, on padding rows, on ``jit``/``vmap``,
   nor on the run. The contraction runs in fixed 64-wide steps in increasing
-  order (zero-padding K does not change a row). Under ``jax.grad``, ``dA`` has
+  order (zero-padding K does not change a row); where the result has fewer than
+  2048 columns, in fixed chunks of them summed from zero and added in order,
+  the chunk's length a function of N alone
+  (:func:`pallas_kernels.matmul_plan.fixed_contraction_chunk`), so that a few
+  rows still spread over the GPU. Under ``jax.grad``, ``dA`` has
   the same property and ``dB`` is reduced over rows in a fixed order: appending
   rows whose cotangent is zero leaves it bitwise unchanged.
 
@@ -134,7 +138,8 @@ def gemm(config: _GemmConfig, layout: Layout, lhs, rhs, *, out_dtype,
 
   NN: lhs [G, rows, K], rhs [Gb, K, cols]; NT: lhs [G, rows, K], rhs [Gb, cols, K]
   (Gb in {1, G}); TN: lhs [G, R, rows], rhs [G, R, cols], reduced over R.
-  ``contraction_chunk``: K summed in chunks (``matmul_plan.plan``).
+  ``contraction_chunk``: K summed in chunks (``matmul_plan.plan``; None: the
+  result's own, ``matmul_plan.fixed_contraction_chunk``).
   """
   return matmul_plan.run(layout, lhs, rhs, out_dtype=out_dtype, precision=config.precision,
                          backend=config.backend, interpret=config.interpret,

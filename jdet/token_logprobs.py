@@ -183,8 +183,12 @@ def _chunks(config: _TokenConfig, vocab: int):
 
 
 def _logits(config: _TokenConfig, h, w_chunk):
-  """float32 [T, c] logits of one chunk (before the temperature): the jdet GEMM."""
-  return gemm(config.gemm, Layout.NN, h[None], w_chunk[None], out_dtype=jnp.float32)[0]
+  """float32 [T, c] logits of one chunk (before the temperature): the jdet GEMM,
+  its contraction in one sum whatever the chunk's width (a narrow last chunk would
+  otherwise take ``matmul_plan.fixed_contraction_chunk``'s chunks, which the whole
+  vocabulary's GEMM does not)."""
+  return gemm(config.gemm, Layout.NN, h[None], w_chunk[None], out_dtype=jnp.float32,
+              contraction_chunk=h.shape[1])[0]
 
 
 def _over_chunks(config: _TokenConfig, w, step, carry):

@@ -43,7 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import cdiv, mosaic_gpu
-from pallas_kernels.matmul import BLOCK_K, H100_SM_COUNT, Layout, fit_stages
+from pallas_kernels.matmul import (BLOCK_K, CHUNK_ACCUMULATOR_REGISTERS, H100_SM_COUNT, Layout,
+                                   fit_stages)
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 EPILOGUE_TILE = 64  # the output leaves in TMA stores of 64 rows
@@ -105,6 +106,21 @@ class HopperTiles:
   def block_cols(self) -> int:
     """Columns of a program's output tile: both warpgroups' halves."""
     return 2 * self.block_n
+
+  @property
+  def accumulator_shape(self) -> tuple[int, int]:
+    """A consumer warpgroup's float32 accumulator: [rows, cols] of its half of the
+    tile (transposed: the rhs's columns x the result's rows)."""
+    if self.transposed:
+      return self.block_n, self.block_m
+    return (self.block_m // 2, self.block_cols) if self.split_rows else (self.block_m,
+                                                                          self.block_n)
+
+  @property
+  def accumulator_registers(self) -> int:
+    """Registers a consumer thread holds for the accumulator (128 threads a warpgroup)."""
+    acc_m, acc_n = self.accumulator_shape
+    return acc_m * acc_n // 128
 
   @property
   def cluster_rows(self) -> int:
@@ -283,10 +299,13 @@ def _copy_block(gmem, rows, first_col, copies, barrier, *, multicast: str | None
 
 
 def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles, rows: int,
-            cols: int, k_steps: int, programs: int):
+            cols: int, k_steps: int, chunk_steps: int | None, programs: int):
   """Program ``sm`` of ``programs`` takes tiles sm, sm + programs, ...; its producer
   and consumers count the contraction steps they have passed (``steps_done``)
-  to find each step's slot in the ring of stages."""
+  to find each step's slot in the ring of stages. With ``chunk_steps`` the
+  consumers sum each run of that many steps from zero and add the sums in
+  order (``pallas_kernels.matmul.contraction_loop``'s chunks); the producer
+  streams the steps as ever."""
   plgpu = mosaic_gpu()
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
   bm, cta_n = tiles.block_m, tiles.block_cols
@@ -300,10 +319,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   # A cluster's row (column) blocks count as one.
   num_groups_m, num_groups_n = cdiv(num_m, tiles.cluster_rows), cdiv(num_n, tiles.cluster_cols)
   num_tiles = num_groups_m * num_groups_n
-  if tiles.transposed:
-    acc_m, acc_n = tiles.block_n, bm  # the rhs's columns x the result's rows
-  else:
-    acc_m, acc_n = (bm // 2, cta_n) if tiles.split_rows else (bm, tiles.block_n)
+  acc_m, acc_n = tiles.accumulator_shape
   program = lax.axis_index("sm")
   cta_row = lax.axis_index(CLUSTER) if tiles.multicast else 0
   cta_col = lax.axis_index(CLUSTER_COLS) if tiles.multicast_lhs else 0
@@ -398,24 +414,38 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
 
         @pl.when(tile < num_tiles)
         def _tile():
-          def mainloop(acc_ref):
-            def step(_, c):
-              slot = lax.rem(c, stages)
-              plgpu.barrier_wait(loaded.at[slot])
-              for p in range(acc_m // piece_m):
-                for q in range(acc_n // piece_n):
-                  plgpu.wgmma(acc_ref.at[pl.ds(p * piece_m, piece_m),
-                                         pl.ds(q * piece_n, piece_n)],
-                              *operands(slot, p, q))
-              plgpu.wgmma_wait(0)
-              plgpu.barrier_arrive(consumed.at[slot])
-              return c + 1
-
-            lax.fori_loop(0, k_steps, step, steps_done)
-
           zeros = plgpu.layout_cast(jnp.zeros((acc_m, acc_n), jnp.float32),
                                     plgpu.Layout.WGMMA)
-          out = pl.run_state(mainloop)(plgpu.ACC.init(zeros)).astype(out_dtype)
+
+          def steps_sum(first, count):
+            """The sum from zero of ``count`` steps from the tile's step ``first``."""
+            def mainloop(acc_ref):
+              def step(_, c):
+                slot = lax.rem(c, stages)
+                plgpu.barrier_wait(loaded.at[slot])
+                for p in range(acc_m // piece_m):
+                  for q in range(acc_n // piece_n):
+                    plgpu.wgmma(acc_ref.at[pl.ds(p * piece_m, piece_m),
+                                           pl.ds(q * piece_n, piece_n)],
+                                *operands(slot, p, q))
+                plgpu.wgmma_wait(0)
+                plgpu.barrier_arrive(consumed.at[slot])
+                return c + 1
+
+              lax.fori_loop(0, count, step, steps_done + first)
+
+            return pl.run_state(mainloop)(plgpu.ACC.init(zeros))
+
+          if chunk_steps is None:
+            total = steps_sum(0, k_steps)
+          else:
+            full_chunks, last = divmod(k_steps, chunk_steps)
+            total = lax.fori_loop(
+                0, full_chunks,
+                lambda q, total: total + steps_sum(q * chunk_steps, chunk_steps), zeros)
+            if last:
+              total = total + steps_sum(full_chunks * chunk_steps, last)
+          out = total.astype(out_dtype)
           if tiles.transposed:
             for e in range(acc_m // epi_cols):
               piece = plgpu.layout_cast(out[e * epi_cols:(e + 1) * epi_cols],
@@ -518,15 +548,20 @@ def lines_aligned(layout: Layout, rows: int, cols: int, contraction: int) -> tup
   return lhs_minor % LINE_ELEMENTS == 0, rhs_minor % LINE_ELEMENTS == 0
 
 
-@functools.partial(jax.jit, static_argnames=("layout", "out_dtype", "tiles"))
-def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
+@functools.partial(jax.jit, static_argnames=("layout", "out_dtype", "tiles",
+                                             "contraction_chunk"))
+def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles,
+           contraction_chunk: int | None = None):
   """One GEMM in ``layout`` on an sm_90 GPU; returns [rows, cols] in ``out_dtype``.
 
   lhs: [rows, K] (NN, NT) or [K, rows] (TN); rhs: [K, cols] (NN, TN) or
   [cols, K] (NT). Both share a 16-bit dtype; the sizes must be ones the kernel
   :func:`takes`; ``tiles``' stages must fit shared memory
   (``pallas_kernels.matmul.fit_stages``) and its program tile the result
-  (``HopperTiles.fits``). No operand is copied.
+  (``HopperTiles.fits``). No operand is copied. ``contraction_chunk`` (a
+  multiple of ``BLOCK_K``; NN and NT, on tiles whose accumulator takes at most
+  ``pallas_kernels.matmul.CHUNK_ACCUMULATOR_REGISTERS`` registers): the
+  contraction summed in chunks (``pallas_kernels.matmul.contraction_loop``).
   """
   if lhs.dtype not in DTYPES or rhs.dtype != lhs.dtype:
     raise TypeError(f"operands must share a 16-bit dtype, got {lhs.dtype} and {rhs.dtype}")
@@ -545,18 +580,25 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles):
   if tiles.transposed and not transposed_takes(layout, out_dtype):
     raise ValueError(f"transposed tiles take layouts NN and NT and a 16-bit result, got "
                      f"{layout.name} and {jnp.dtype(out_dtype)}")
+  if contraction_chunk is not None and (
+      layout is Layout.TN or contraction_chunk % BLOCK_K
+      or tiles.accumulator_registers > CHUNK_ACCUMULATOR_REGISTERS):
+    raise ValueError(f"contraction_chunk needs layout NN or NT, a multiple of {BLOCK_K} and "
+                     f"tiles whose accumulator takes at most {CHUNK_ACCUMULATOR_REGISTERS} "
+                     f"registers; got {layout.name}, {contraction_chunk}, {tiles}")
+  chunk_steps = None if contraction_chunk is None else contraction_chunk // BLOCK_K
   return _launch(lhs, rhs, layout=layout, out_dtype=out_dtype, tiles=tiles, rows=rows,
-                 cols=cols, k_steps=cdiv(contraction, BLOCK_K))
+                 cols=cols, k_steps=cdiv(contraction, BLOCK_K), chunk_steps=chunk_steps)
 
 
 def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles, rows: int, cols: int,
-            k_steps: int):
+            k_steps: int, chunk_steps: int | None):
   plgpu = mosaic_gpu()
   programs = min(tiles.concurrent_ctas(jax.devices()[0].core_count),
                  tiles.tile_count(rows, cols))
   programs //= tiles.cluster_size  # grid counts clusters
   kernel = functools.partial(_kernel, layout=layout, tiles=tiles, rows=rows, cols=cols,
-                             k_steps=k_steps, programs=programs)
+                             k_steps=k_steps, chunk_steps=chunk_steps, programs=programs)
   return plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((rows, cols), out_dtype),

@@ -40,13 +40,16 @@ def _check_steps(tiles):
     raise ValueError(f"the jax-triton kernel takes step_k = {BLOCK_K} tiles, got {tiles}")
 
 
-def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles):
+def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles,
+           contraction_chunk: int | None = None):
   """Same contract and shapes as :func:`pallas_kernels.matmul.matmul`, on the Triton kernel.
 
   a: [G, M, K]; b: [Gb, K, N] (or [Gb, N, K] if transpose_b), Gb in {1, G}.
+  ``contraction_chunk``: K summed in chunks (``pallas_kernels.matmul.contraction_loop``).
   """
   _check_steps(tiles)
-  return _matmul_launcher(transpose_b, jnp.dtype(out_dtype), precision, tiles)(a, b)
+  return _matmul_launcher(transpose_b, jnp.dtype(out_dtype), precision, tiles,
+                          contraction_chunk)(a, b)
 
 
 def matmul_at_b(a, d, *, out_dtype, precision, tiles):
@@ -56,7 +59,7 @@ def matmul_at_b(a, d, *, out_dtype, precision, tiles):
 
 
 @functools.cache
-def _matmul_launcher(transpose_b, out_dtype, precision, tiles):
+def _matmul_launcher(transpose_b, out_dtype, precision, tiles, contraction_chunk):
   jax_triton, triton_matmul = load()
 
   @jax.custom_batching.custom_vmap
@@ -65,7 +68,7 @@ def _matmul_launcher(transpose_b, out_dtype, precision, tiles):
     n = b.shape[1] if transpose_b else b.shape[2]
     grid, params = triton_matmul.matmul_launch(
         g, m, n, k, transpose_b=transpose_b, shared_b=b.shape[0] == 1, tiles=tiles,
-        precision=precision)
+        precision=precision, contraction_chunk=contraction_chunk)
     return jax_triton.triton_call(
         a, b, kernel=triton_matmul.matmul_kernel,
         out_shape=jax.ShapeDtypeStruct((g, m, n), out_dtype), grid=grid,

@@ -7,20 +7,28 @@ accumulator that starts at zero; the result is rounded to the output dtype once,
 at the end. A contraction that is not a multiple of ``BLOCK_K`` ends in a
 partial step whose missing terms are zeros (masked loads here, TMA's
 out-of-bounds fill or zero padding in the other kernels): the same values, so
-the same bits. Tile shape (``block_m``, ``block_n``), warps and stages only
-decide which program computes an element, never that order, so the plan
-(:mod:`pallas_kernels.matmul_plan`) may pick them from M. A GPU tile may load
-several steps at once (``MatmulTiles.step_k``): its dot over them is the k16 MMA
-chain of those steps in order, into the same accumulator, so the same bits. No launcher here
-copies an operand: edge tiles and the last contraction step are masked. The
-forward/dA launcher reads M from an operand and runs a bucketed grid of row
-tiles (``_common.counted_call``), so every M of a bucket runs one compiled
-kernel; dB's contraction is the token count, so it compiles per count.
+the same bits. A GEMM may instead sum fixed chunks of the contraction, each so,
+and add the chunk sums in order (:func:`contraction_loop`); the chunk never
+depends on M (``matmul_plan.fixed_contraction_chunk`` follows the result's
+columns), and whether the chunks run in one program or in programs of their
+own (:func:`matmul_chunks`) does not change the sums. Tile shape (``block_m``,
+``block_n``), warps and stages only decide which program computes an element,
+never that order, so the plan (:mod:`pallas_kernels.matmul_plan`) may pick them
+from M. A GPU tile may load several steps at once (``MatmulTiles.step_k``): its
+dot over them is the k16 MMA chain of those steps in order, into the same
+accumulator, so the same bits. No launcher here copies an operand: edge tiles
+and the last contraction step are masked. The forward/dA launcher reads M from
+an operand and runs a bucketed grid of row tiles (``_common.counted_call``), so
+every M of a bucket runs one compiled kernel; dB's contraction is the token
+count, so it compiles per count.
 
 Kernels:
   * :func:`matmul_kernel` - ``C[g] = A[g] @ B[g]`` or ``A[g] @ B[g]ᵀ`` (forward, dA).
   * :func:`matmul_at_b_kernel` - ``C[g] = A[g]ᵀ @ D[g]``, reduced over rows in
     ``BLOCK_K`` steps (dB): appending rows whose D is zero adds exact zeros.
+  * :func:`matmul_chunk_kernel` and :func:`chunk_total_kernel` - a chunked
+    contraction (:func:`contraction_loop`) with its chunks on programs of their
+    own, then their float32 sums added in order (:func:`matmul_chunks`).
 
 :func:`pallas_kernels.matmul_plan.plan` decides which kernel (these, the
 Mosaic GPU kernel of :mod:`pallas_kernels.hopper_matmul` or the jax-triton
@@ -40,7 +48,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (block_mask, bucketed_grid, cdiv, compiler_params,
-                                    counted_call, dot_f32, launcher, load_block, store_block)
+                                    counted_call, dot_f32, launcher, load_block, store_block,
+                                    sum_in_order)
 
 BLOCK_K = 64
 
@@ -85,6 +94,11 @@ class MatmulTiles:
   def reserved_bytes(self, out_dtype) -> int:
     del out_dtype  # the result leaves straight from registers
     return 0
+
+  @property
+  def accumulator_registers(self) -> int:
+    """Registers a thread holds for the float32 accumulator."""
+    return self.block_m * self.block_n // (32 * self.num_warps)
 
 
 # Forward / dA tiles on the GPU, largest first. Up to GPU_ONE_ROW_OF_TILES rows
@@ -140,6 +154,16 @@ STREAMED_STEP_K = 128
 DEEP_STEP_STAGE_BYTES = 4096
 DEEP_STEP_MIN_CONTRACTION = 2048
 DEEP_STEP_SPARE_STAGES = 2
+
+# A chunked contraction (``contraction_loop``'s ``chunk``) holds two float32
+# accumulators at the end of each chunk, the chunk's sum and the running total:
+# the plan runs it only on tiles (of any kernel) whose accumulator takes at most
+# this many registers a thread, so that both fit beside the addresses (the
+# 128 x 256 tiles of the Triton ladder and of the Mosaic GPU kernel take 128).
+# On the H100 the Mosaic GPU kernel's 128 x 192 (96) ran chunked GEMMs of 8192
+# rows 1-3% faster than the tiles of at most 80 (benchmarks/results/h100.md,
+# fortieth section).
+CHUNK_ACCUMULATOR_REGISTERS = 96
 
 # dB = Aᵀ @ D tiles on the GPU: the output is [K, N], so they never depend on the
 # row count (`tune_matmul.py --at-b`; notes/h100_notebook.md, "GEMM tile sweep").
@@ -238,6 +262,41 @@ def contraction_loop(k: int, step, acc, *, chunk: int | None = None, depth: int 
   return acc
 
 
+def _on_output_tile(tile, rows_ref, o_ref, *, row_tiles: int, n: int, group_m: int):
+  """Runs ``tile(rows, cols)`` for grid axis 0's [block_m, block_n] output tile
+  of ``o_ref``'s shape (:func:`tile_coords` over ``row_tiles``, the bucketed row
+  tiles, of an ``n``-column result) if it holds rows below M (``rows_ref[0]``);
+  ``rows``/``cols`` mask its rows past M and, where ``n`` is not a multiple of
+  the tile, its columns past ``n`` (None where none can be)."""
+  block_m, block_n = o_ref.shape
+  m = rows_ref[0]
+  i, j = tile_coords(pl.program_id(0), row_tiles, cdiv(n, block_n), group_m)
+
+  @pl.when(i * block_m < m)
+  def _():
+    tile(block_mask(i * block_m, block_m, m),
+         block_mask(j * block_n, block_n, n) if n % block_n else None)
+
+
+def _tile_sum(a_ref, b_ref, rows, cols, *, k: int, transpose_b: bool, precision,
+              chunk: int | None, step_k: int):
+  """The float32 [block_m, block_n] sum of a tile over the first ``k`` indices of
+  its blocks' contraction (:func:`contraction_loop`; ``rows``/``cols``: masks of
+  the edge tile's valid rows and columns, or None)."""
+  block_m, block_n = a_ref.shape[0], b_ref.shape[0 if transpose_b else 1]
+
+  def step(ks, k_mask, acc):
+    a = load_block(a_ref.at[:, ks], rows=rows, cols=k_mask)
+    if transpose_b:
+      b = load_block(b_ref.at[:, ks], rows=cols, cols=k_mask)
+    else:
+      b = load_block(b_ref.at[ks, :], rows=k_mask, cols=cols)
+    return acc + dot_f32(a, b, trans_b=transpose_b, precision=precision)
+
+  return contraction_loop(k, step, jnp.zeros((block_m, block_n), jnp.float32), chunk=chunk,
+                          depth=step_k)
+
+
 def matmul_kernel(rows_ref, a_ref, b_ref, o_ref, *, row_tiles: int, n: int, group_m: int,
                   transpose_b: bool, precision, contraction_chunk: int | None = None,
                   step_k: int = BLOCK_K):
@@ -252,26 +311,55 @@ def matmul_kernel(rows_ref, a_ref, b_ref, o_ref, *, row_tiles: int, n: int, grou
   contraction in chunks; ``step_k``: the contraction each step loads
   (:func:`contraction_loop`).
   """
-  block_m, block_n = o_ref.shape
-  m = rows_ref[0]
-  i, j = tile_coords(pl.program_id(0), row_tiles, cdiv(n, block_n), group_m)
-
-  @pl.when(i * block_m < m)
-  def _tile():
-    rows = block_mask(i * block_m, block_m, m)
-    cols = block_mask(j * block_n, block_n, n) if n % block_n else None
-
-    def step(ks, k_mask, acc):
-      a = load_block(a_ref.at[:, ks], rows=rows, cols=k_mask)
-      if transpose_b:
-        b = load_block(b_ref.at[:, ks], rows=cols, cols=k_mask)
-      else:
-        b = load_block(b_ref.at[ks, :], rows=k_mask, cols=cols)
-      return acc + dot_f32(a, b, trans_b=transpose_b, precision=precision)
-
-    acc = contraction_loop(a_ref.shape[-1], step, jnp.zeros((block_m, block_n), jnp.float32),
-                           chunk=contraction_chunk, depth=step_k)
+  def tile(rows, cols):
+    acc = _tile_sum(a_ref, b_ref, rows, cols, k=a_ref.shape[-1], transpose_b=transpose_b,
+                    precision=precision, chunk=contraction_chunk, step_k=step_k)
     store_block(o_ref, acc.astype(o_ref.dtype), rows=rows, cols=cols)
+
+  _on_output_tile(tile, rows_ref, o_ref, row_tiles=row_tiles, n=n, group_m=group_m)
+
+
+def matmul_chunk_kernel(rows_ref, a_ref, b_ref, o_ref, *, row_tiles: int, n: int, k: int,
+                        group_m: int, transpose_b: bool, precision, step_k: int):
+  """One chunk's float32 sum over one [block_m, block_n] tile: program (t, c)
+  sums chunk c of the contraction from zero, as :func:`contraction_loop` sums
+  each chunk (:func:`matmul_chunks`).
+
+  a_ref: [block_m, chunk]; b_ref: [chunk, block_n] ([block_n, chunk] if
+  transpose_b); o_ref: [block_m, block_n] of chunk c's partial sums. The last
+  chunk of a contraction ``k`` that the chunk does not divide sums its first
+  ``k % chunk`` indices (the rest of its blocks lies past the operands).
+  """
+  chunk = a_ref.shape[-1]
+  c = pl.program_id(1)
+  full_chunks, last = divmod(k, chunk)
+
+  def tile(rows, cols):
+    def chunk_sum(length):
+      acc = _tile_sum(a_ref, b_ref, rows, cols, k=length, transpose_b=transpose_b,
+                      precision=precision, chunk=None, step_k=step_k)
+      store_block(o_ref, acc, rows=rows, cols=cols)
+
+    if not last:
+      chunk_sum(chunk)
+      return
+    pl.when(c < full_chunks)(lambda: chunk_sum(chunk))
+    pl.when(c == full_chunks)(lambda: chunk_sum(last))
+
+  _on_output_tile(tile, rows_ref, o_ref, row_tiles=row_tiles, n=n, group_m=group_m)
+
+
+def chunk_total_kernel(rows_ref, *refs, row_tiles: int, n: int, group_m: int):
+  """One [block_m, block_n] tile of the chunks' partial sums added in chunk order
+  (:func:`sum_in_order`), rounded once to the result's dtype. refs: one
+  [block_m, block_n] partial block per chunk, then the result block."""
+  *partial_refs, o_ref = refs
+
+  def tile(rows, cols):
+    total = sum_in_order([load_block(p, rows=rows, cols=cols) for p in partial_refs])
+    store_block(o_ref, total.astype(o_ref.dtype), rows=rows, cols=cols)
+
+  _on_output_tile(tile, rows_ref, o_ref, row_tiles=row_tiles, n=n, group_m=group_m)
 
 
 def matmul_at_b_kernel(a_ref, d_ref, o_ref, *, k: int, n: int, precision):
@@ -344,6 +432,57 @@ def matmul(a, b, *, transpose_b: bool, out_dtype, precision, tiles: MatmulTiles,
       name="jdet_matmul_t" if transpose_b else "jdet_matmul",
   )(*((a, b) if grouped else (a[0], b[0])))
   return out if grouped else out[None]
+
+
+@launcher
+def matmul_chunks(a, b, *, transpose_b: bool, out_dtype, precision, tiles: MatmulTiles,
+                  interpret: bool, contraction_chunk: int):
+  """:func:`matmul` of one problem with the contraction in chunks of
+  ``contraction_chunk`` spread over programs: program (t, c) of
+  :func:`matmul_chunk_kernel` sums chunk c of tile t into a float32 partial, and
+  :func:`chunk_total_kernel` adds the partials in chunk order, so the bits are
+  those of :func:`matmul` with the same ``contraction_chunk`` (each chunk from
+  zero, the sums added in order). For GEMMs with too few output tiles to fill
+  the SMs: the chunks multiply the programs.
+
+  a: [1, M, K]; b: [1, K, N] (or [1, N, K] if transpose_b). Returns [1, M, N].
+  """
+  _, m, k = a.shape
+  n = b.shape[1] if transpose_b else b.shape[2]
+  chunks = cdiv(k, contraction_chunk)
+  bm, bn = tiles.block_m, tiles.block_n
+  row_tiles, num_n = bucketed_grid(cdiv(m, bm)), cdiv(n, bn)
+  coords = functools.partial(tile_coords, num_m=row_tiles, num_n=num_n, group_m=tiles.group_m)
+  counted = dict(row_tiles=row_tiles, n=n, group_m=tiles.group_m)
+  if transpose_b:
+    b_spec = pl.BlockSpec((bn, contraction_chunk), lambda t, c: (coords(t)[1], c))
+  else:
+    b_spec = pl.BlockSpec((contraction_chunk, bn), lambda t, c: (c, coords(t)[1]))
+  partials = counted_call(
+      functools.partial(matmul_chunk_kernel, k=k, transpose_b=transpose_b,
+                        precision=precision, step_k=tiles.step_k, **counted),
+      count=m,
+      grid=(row_tiles * num_n, chunks),
+      in_specs=[pl.BlockSpec((bm, contraction_chunk), lambda t, c: (coords(t)[0], c)), b_spec],
+      out_specs=pl.BlockSpec((None, bm, bn), lambda t, c: (c, *coords(t))),
+      out_shape=jax.ShapeDtypeStruct((chunks, m, n), jnp.float32),
+      compiler_params=compiler_params(tiles.num_warps, tiles.num_stages),
+      interpret=interpret,
+      name="jdet_matmul_chunks_t" if transpose_b else "jdet_matmul_chunks",
+  )(a[0], b[0])
+  total = counted_call(
+      functools.partial(chunk_total_kernel, **counted),
+      count=m,
+      grid=(row_tiles * num_n,),
+      in_specs=[pl.BlockSpec((None, bm, bn), lambda t, c=c: (c, *coords(t)))
+                for c in range(chunks)],
+      out_specs=pl.BlockSpec((bm, bn), coords),
+      out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+      compiler_params=compiler_params(tiles.num_warps, 1),
+      interpret=interpret,
+      name="jdet_matmul_chunk_total",
+  )(*[partials] * chunks)
+  return total[None]
 
 
 @launcher

@@ -74,15 +74,51 @@ class Device:
     return self.platform == "gpu" and self.compute_capability == "9.0"
 
 
+# A forward or dA result narrower than this many of the Triton ladder's narrowest
+# column tiles (CHUNK_COLUMN_TILE columns) sums its contraction in fixed chunks
+# (fixed_contraction_chunk): at a few rows its column tiles alone leave most of
+# the H100's 132 SMs idle, each walking the whole contraction. A chunk is
+# CHUNK_PER_COLUMN_TILE indices per column tile (about 128 programs over a
+# 4096-long contraction at a few rows), rounded up to CHUNK_GRANULE. On the H100
+# (benchmarks/results/h100.md, fortieth section) XLA ran such GEMMs (K/V
+# projections, 300-1500-column weights) 1.4-3.3x faster than one program per
+# column tile at 1-64 rows.
+CHUNKED_BELOW_COLUMN_TILES = 128
+CHUNK_COLUMN_TILE = min(t.block_n for t in pallas_triton.GPU_MATMUL_LADDER)
+CHUNK_PER_COLUMN_TILE = 32
+CHUNK_GRANULE = 256
+MIN_CHUNK = 1024
+
+
+def fixed_contraction_chunk(layout: Layout, cols: int, contraction: int) -> int | None:
+  """The chunk length in which a GEMM of a ``cols``-column result sums its
+  ``contraction`` (each chunk from zero, the chunk sums added in order:
+  ``pallas_kernels.matmul.contraction_loop``), or None for one sum. Part of the
+  numerics contract: it depends on the result's columns alone, never on the
+  rows (the token count) nor on the device, so every kernel, every row count
+  and interpret mode sum alike. The chunk does not depend on the contraction
+  either, so zero-padding the contraction adds zero chunks and keeps the bits.
+  NN and NT only (dB, TN, reduces over the tokens)."""
+  column_tiles = cdiv(cols, CHUNK_COLUMN_TILE)
+  if layout is Layout.TN or column_tiles >= CHUNKED_BELOW_COLUMN_TILES:
+    return None
+  chunk = max(MIN_CHUNK, cdiv(column_tiles * CHUNK_PER_COLUMN_TILE, CHUNK_GRANULE)
+              * CHUNK_GRANULE)
+  return chunk if chunk < contraction else None
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """A kernel and its tiles (:class:`~pallas_kernels.matmul.MatmulTiles` for the
   Triton kernels, :class:`~pallas_kernels.hopper_matmul.HopperTiles` for Mosaic GPU),
-  and the chunks of a chunked contraction (Pallas Triton only)."""
+  the chunks of a chunked contraction, and whether the chunks run on programs of
+  their own (``split_chunks``, Pallas Triton: ``pallas_kernels.matmul.matmul_chunks``)
+  or one after another in each tile's program."""
   kernel: Kernel
   tiles: MatmulTiles | mosaic.HopperTiles
   interpret: bool = False
   contraction_chunk: int | None = None
+  split_chunks: bool = False
 
 
 def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_dtype,
@@ -93,23 +129,30 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   result, on ``device`` (default: the first jax device). A pure function of its
   arguments.
 
-  ``contraction_chunk`` (NN or NT, the Pallas Triton kernel): the contraction
-  summed in chunks of that many indices, each from zero, the chunk sums added
-  in order (``pallas_kernels.matmul.contraction_loop``): the bits of a loop of
-  GEMMs over the chunks whose float32 results are added one after another. A
-  chunk that covers the contraction (of any size) is no chunking: the GEMM is
-  planned as any.
+  ``contraction_chunk`` (NN or NT): the contraction summed in chunks of that
+  many indices, each from zero, the chunk sums added in order
+  (``pallas_kernels.matmul.contraction_loop``): the bits of a loop of GEMMs over
+  the chunks whose float32 results are added one after another. None (the
+  default) takes :func:`fixed_contraction_chunk`'s, the contract of
+  ``jdet.matmul``; a chunk that covers the contraction (of any size) is no
+  chunking. Every kernel runs chunks: the Triton kernels and the Mosaic GPU
+  kernel on tiles whose accumulator fits twice
+  (``pallas_kernels.matmul.CHUNK_ACCUMULATOR_REGISTERS``); a single problem of
+  at most ``GPU_ONE_ROW_OF_TILES`` rows (one row of tiles, fewer column tiles
+  than the chunk rule's limit) runs its chunks on programs of their own
+  (``Plan.split_chunks``).
   """
   dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype)
   if backend not in BACKENDS:
     raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+  if contraction_chunk is None:
+    contraction_chunk = fixed_contraction_chunk(layout, cols, contraction)
   if contraction_chunk is not None and contraction_chunk >= contraction:
     contraction_chunk = None
-  if contraction_chunk is not None and (layout is Layout.TN or backend != "pallas"
-                                        or contraction_chunk % BLOCK_K):
-    raise ValueError(f"contraction_chunk needs layout NN or NT, backend 'pallas' and a "
-                     f"multiple of {BLOCK_K}; got {layout.name}, {backend!r}, "
-                     f"{contraction_chunk}")
+  if contraction_chunk is not None and (layout is Layout.TN or contraction_chunk % BLOCK_K):
+    raise ValueError(f"contraction_chunk needs layout NN or NT and a multiple of {BLOCK_K}; "
+                     f"got {layout.name}, {contraction_chunk}")
+  chunked = contraction_chunk is not None
   if interpret:
     return Plan(Kernel.PALLAS_TRITON, pallas_triton.INTERPRET_TILES, interpret=True,
                 contraction_chunk=contraction_chunk)
@@ -117,24 +160,31 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   num_sms = device.sm_count or pallas_triton.H100_SM_COUNT
   if backend == "triton":
     return Plan(Kernel.JAX_TRITON, triton_tiles(layout, rows, cols, dtype, out_dtype, groups,
-                                                num_sms))
-  ladder_tiles = triton_tiles(layout, rows, cols, dtype, out_dtype, groups, num_sms,
-                              contraction=contraction)
-  if contraction_chunk is not None:
-    return Plan(Kernel.PALLAS_TRITON, ladder_tiles, contraction_chunk=contraction_chunk)
+                                                num_sms, chunked=chunked),
+                contraction_chunk=contraction_chunk)
+  if chunked and groups == 1 and rows <= pallas_triton.GPU_ONE_ROW_OF_TILES:
+    split_tiles = triton_tiles(layout, rows, cols, dtype, jnp.float32,
+                               cdiv(contraction, contraction_chunk), num_sms,
+                               contraction=contraction_chunk)
+    return Plan(Kernel.PALLAS_TRITON, split_tiles, contraction_chunk=contraction_chunk,
+                split_chunks=True)
   mosaic_tiles = _mosaic_tiles(layout, rows, cols, contraction, dtype, out_dtype, groups,
-                               device)
+                               device, chunked=chunked)
   if mosaic_tiles:
-    return Plan(Kernel.MOSAIC_GPU, mosaic_tiles)
-  return Plan(Kernel.PALLAS_TRITON, ladder_tiles)
+    return Plan(Kernel.MOSAIC_GPU, mosaic_tiles, contraction_chunk=contraction_chunk)
+  return Plan(Kernel.PALLAS_TRITON, triton_tiles(layout, rows, cols, dtype, out_dtype, groups,
+                                                 num_sms, contraction=contraction,
+                                                 chunked=chunked),
+              contraction_chunk=contraction_chunk)
 
 
 def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups: int = 1,
                  num_sms: int = pallas_triton.H100_SM_COUNT, *,
-                 contraction: int | None = None) -> MatmulTiles:
+                 contraction: int | None = None, chunked: bool = False) -> MatmulTiles:
   """The Triton kernels' GPU tiles (pallas_kernels.matmul's tables) for ``groups``
   GEMMs of a [rows, cols] result on a GPU of ``num_sms`` SMs, over ``contraction``
-  if known.
+  if known; ``chunked`` (a chunked contraction in each program) keeps to the
+  tiles whose accumulator fits twice (``CHUNK_ACCUMULATOR_REGISTERS``).
 
   dB's result is [K, N] of the weight: its tile never sees the token count.
   For the forward and dA: up to GPU_ONE_ROW_OF_TILES rows, the smallest
@@ -156,7 +206,8 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   """
   if layout is Layout.TN:
     return pallas_triton.fit_stages(pallas_triton.GPU_AT_B_TILES, dtype, out_dtype)
-  candidates = pallas_triton.GPU_MATMUL_LADDER
+  candidates = tuple(t for t in pallas_triton.GPU_MATMUL_LADDER if not chunked
+                     or t.accumulator_registers <= pallas_triton.CHUNK_ACCUMULATOR_REGISTERS)
   if rows <= pallas_triton.GPU_ONE_ROW_OF_TILES:
     block_m = min(t.block_m for t in candidates if t.block_m >= rows)
     candidates = tuple(t for t in candidates if t.block_m == block_m)
@@ -191,10 +242,11 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
 
 
 def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype, out_dtype,
-                  groups: int, device: Device) -> mosaic.HopperTiles | None:
+                  groups: int, device: Device, *, chunked: bool = False
+                  ) -> mosaic.HopperTiles | None:
   """The Mosaic GPU kernel's tiles, or None where it does not run (see the module
   docstring): sizes it takes (``hopper_matmul.takes``) and a program tile that
-  fits the result (``HopperTiles.fits``)."""
+  fits the result (``HopperTiles.fits``); ``chunked``: see :func:`triton_tiles`."""
   if (not device.is_hopper or dtype not in mosaic.DTYPES or groups != 1
       or not mosaic.takes(layout, rows, cols, contraction)):
     return None
@@ -202,7 +254,8 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
     lhs_aligned, rhs_aligned = mosaic.lines_aligned(layout, rows, cols, contraction)
     tiles = mosaic_row_tiles(rows, cols, device.sm_count, lhs_aligned=lhs_aligned,
                              rhs_aligned=rhs_aligned,
-                             transposed=mosaic.transposed_takes(layout, out_dtype))
+                             transposed=mosaic.transposed_takes(layout, out_dtype),
+                             chunked=chunked)
   else:
     tiles = None
   return tiles and pallas_triton.fit_stages(mosaic_strips(tiles, rows, cols, contraction),
@@ -229,7 +282,8 @@ def mosaic_strips(tiles: mosaic.HopperTiles, rows: int, cols: int, contraction: 
 
 
 def mosaic_tile_candidates(rhs_aligned: bool, transposed: bool = False,
-                           lhs_aligned: bool = True) -> tuple[mosaic.HopperTiles, ...]:
+                           lhs_aligned: bool = True, chunked: bool = False
+                           ) -> tuple[mosaic.HopperTiles, ...]:
   """The Mosaic GPU tiles the plan chooses among: the ROW_TILES entries; with
   ``transposed`` (the forward and dA with a 16-bit result) also the
   TRANSPOSED_TILES; where the rhs's rows do not start on 128-byte lines (not
@@ -240,8 +294,11 @@ def mosaic_tile_candidates(rhs_aligned: bool, transposed: bool = False,
   thirty-seventh section). Where the lhs's rows miss the lines too (not
   ``lhs_aligned``), also their 2 x 2 twins (``multicast_lhs`` as well), which
   share the lhs blocks too: on the H100 14 of 15 such GEMMs ran 2-32% faster
-  than the pairs' picks, one 6% slower (same section)."""
-  base = mosaic.ROW_TILES + (mosaic.TRANSPOSED_TILES if transposed else ())
+  than the pairs' picks, one 6% slower (same section). ``chunked``: only the
+  tiles whose accumulator fits twice (``CHUNK_ACCUMULATOR_REGISTERS``)."""
+  base = tuple(t for t in mosaic.ROW_TILES + (mosaic.TRANSPOSED_TILES if transposed else ())
+               if not chunked
+               or t.accumulator_registers <= pallas_triton.CHUNK_ACCUMULATOR_REGISTERS)
   candidates = base
   if not rhs_aligned:
     candidates += tuple(dataclasses.replace(t, multicast=True) for t in base)
@@ -252,15 +309,15 @@ def mosaic_tile_candidates(rhs_aligned: bool, transposed: bool = False,
 
 
 def mosaic_row_tiles(rows: int, cols: int, num_sms: int, *, lhs_aligned: bool = True,
-                     rhs_aligned: bool = True, transposed: bool = False
+                     rhs_aligned: bool = True, transposed: bool = False, chunked: bool = False
                      ) -> mosaic.HopperTiles | None:
   """The tile of :func:`mosaic_tile_candidates` that fits a rows x cols result
   (``HopperTiles.fits``) with the least estimated time, or None if none fits
   (``*_aligned``: ``hopper_matmul.lines_aligned``; ``transposed``: whether the
-  transposed tiles may run). Estimated time: waves x tile area /
-  ``HopperTiles.rate``, where waves = ceil(CTA tiles / the CTAs that run at
-  once, ``HopperTiles.concurrent_ctas``). With a fixed K
-  order no program may take part of another's contraction, so the choice is
+  transposed tiles may run; ``chunked``: see :func:`mosaic_tile_candidates`).
+  Estimated time: waves x tile area / ``HopperTiles.rate``, where waves =
+  ceil(CTA tiles / the CTAs that run at once, ``HopperTiles.concurrent_ctas``).
+  No program takes part of another's contraction, so the choice is
   about filling the last wave: the transposed tiles' row counts, any multiple
   of 8, let the tiles fill it closely.
 
@@ -275,7 +332,7 @@ def mosaic_row_tiles(rows: int, cols: int, num_sms: int, *, lhs_aligned: bool = 
     return waves * tiles.block_m * tiles.block_cols / tiles.rate(lhs_aligned, rhs_aligned)
 
   estimates = {t: estimated_time(t)
-               for t in mosaic_tile_candidates(rhs_aligned, transposed, lhs_aligned)
+               for t in mosaic_tile_candidates(rhs_aligned, transposed, lhs_aligned, chunked)
                if t.fits(rows, cols)}
   if not estimates:
     return None
@@ -292,40 +349,48 @@ def launch(plan_: Plan, lhs, rhs, *, layout: Layout, out_dtype, precision=None):
   becomes groups (Triton)."""
   out_dtype = jnp.dtype(out_dtype)
   if plan_.kernel is Kernel.MOSAIC_GPU:
-    return _mosaic_launcher(layout, out_dtype, plan_.tiles)(lhs, rhs)
+    return _mosaic_launcher(layout, out_dtype, plan_.tiles, plan_.contraction_chunk)(lhs, rhs)
   if plan_.kernel is Kernel.JAX_TRITON:
     from pallas_kernels import jax_triton_matmul
-    launcher = jax_triton_matmul.matmul_at_b if layout is Layout.TN else functools.partial(
-        jax_triton_matmul.matmul, transpose_b=layout is Layout.NT)
-    return launcher(lhs, rhs, out_dtype=out_dtype, precision=precision, tiles=plan_.tiles)
+    if layout is Layout.TN:
+      return jax_triton_matmul.matmul_at_b(lhs, rhs, out_dtype=out_dtype, precision=precision,
+                                           tiles=plan_.tiles)
+    return jax_triton_matmul.matmul(lhs, rhs, transpose_b=layout is Layout.NT,
+                                    out_dtype=out_dtype, precision=precision, tiles=plan_.tiles,
+                                    contraction_chunk=plan_.contraction_chunk)
   if layout is Layout.TN:
     return pallas_triton.matmul_at_b(lhs, rhs, out_dtype=out_dtype, precision=precision,
                                      tiles=plan_.tiles, interpret=plan_.interpret)
-  return pallas_triton.matmul(lhs, rhs, transpose_b=layout is Layout.NT, out_dtype=out_dtype,
-                              precision=precision, tiles=plan_.tiles, interpret=plan_.interpret,
-                              contraction_chunk=plan_.contraction_chunk)
+  gemm = pallas_triton.matmul_chunks if plan_.split_chunks else pallas_triton.matmul
+  return gemm(lhs, rhs, transpose_b=layout is Layout.NT, out_dtype=out_dtype,
+              precision=precision, tiles=plan_.tiles, interpret=plan_.interpret,
+              contraction_chunk=plan_.contraction_chunk)
 
 
 @functools.cache
-def _mosaic_launcher(layout: Layout, out_dtype, tiles: mosaic.HopperTiles):
-  """The Mosaic GPU kernel on [1, ...] operands, with a vmap rule that re-plans."""
+def _mosaic_launcher(layout: Layout, out_dtype, tiles: mosaic.HopperTiles,
+                     contraction_chunk: int | None):
+  """The Mosaic GPU kernel on [1, ...] operands, with a vmap rule that re-plans
+  with the same chunks (a chunk as long as the contraction: none)."""
 
   @jax.custom_batching.custom_vmap
   def mosaic_gemm(lhs, rhs):
-    return mosaic.matmul(lhs[0], rhs[0], layout=layout, out_dtype=out_dtype, tiles=tiles)[None]
+    return mosaic.matmul(lhs[0], rhs[0], layout=layout, out_dtype=out_dtype, tiles=tiles,
+                         contraction_chunk=contraction_chunk)[None]
 
   @mosaic_gemm.def_vmap
   def mosaic_gemm_batched(axis_size, in_batched, lhs, rhs):
     lhs_batched, rhs_batched = in_batched
     lhs = lhs if lhs_batched else jnp.broadcast_to(lhs, (axis_size, *lhs.shape))
+    chunk = contraction_chunk or lhs.shape[2 if layout is Layout.TN else 3]
     if layout is not Layout.TN and not rhs_batched:
       rows = lhs.shape[2]
       folded = lhs.reshape(1, axis_size * rows, lhs.shape[3])
-      out = run(layout, folded, rhs, out_dtype=out_dtype)
+      out = run(layout, folded, rhs, out_dtype=out_dtype, contraction_chunk=chunk)
       return out.reshape(axis_size, 1, rows, -1), True
     rhs = rhs if rhs_batched else jnp.broadcast_to(rhs, (axis_size, *rhs.shape))
     grouped = [x.reshape(axis_size * x.shape[1], *x.shape[2:]) for x in (lhs, rhs)]
-    out = run(layout, *grouped, out_dtype=out_dtype)
+    out = run(layout, *grouped, out_dtype=out_dtype, contraction_chunk=chunk)
     return out.reshape(axis_size, 1, *out.shape[1:]), True
 
   return mosaic_gemm

@@ -59,12 +59,15 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr,
                   M: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                   SHARED_B: tl.constexpr, TRANSPOSE_B: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  GROUP_M: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+                  GROUP_M: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                  CHUNK: tl.constexpr):
   """One [BLOCK_M, BLOCK_N] tile of ``C[g] = A[g] @ B[g]`` (``A[g] @ B[g]ᵀ`` if TRANSPOSE_B).
 
   Grid: (tiles, G). A: [G, M, K]; B: [Gb, K, N] ([Gb, N, K] if TRANSPOSE_B),
   Gb = 1 when SHARED_B; C: [G, M, N]; all contiguous. A last partial BLOCK_K
-  step loads the contraction past K as zeros.
+  step loads the contraction past K as zeros. ``CHUNK`` (a multiple of
+  BLOCK_K, or K for none): each run of CHUNK contraction indices summed from
+  zero, the sums added in order (``pallas_kernels.matmul.contraction_loop``).
   """
   num_m = tl.cdiv(M, BLOCK_M)
   num_n = tl.cdiv(N, BLOCK_N)
@@ -84,20 +87,49 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr,
     b_ptrs = b_base + cols[:, None] * K + ks[None, :]
   else:
     b_ptrs = b_base + ks[:, None] * N + cols[None, :]
+  if CHUNK >= K:
+    acc = _steps(a_ptrs, b_ptrs, row_ok, col_ok, ks, M % BLOCK_M != 0, N % BLOCK_N != 0, N,
+                 BLOCK_M, BLOCK_N, BLOCK_K, K // BLOCK_K, K % BLOCK_K, TRANSPOSE_B,
+                 INPUT_PRECISION)
+  else:
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for _ in range(0, K // CHUNK):
+      acc += _steps(a_ptrs, b_ptrs, row_ok, col_ok, ks, M % BLOCK_M != 0, N % BLOCK_N != 0, N,
+                    BLOCK_M, BLOCK_N, BLOCK_K, CHUNK // BLOCK_K, 0, TRANSPOSE_B,
+                    INPUT_PRECISION)
+      a_ptrs += CHUNK
+      if TRANSPOSE_B:
+        b_ptrs += CHUNK
+      else:
+        b_ptrs += CHUNK * N
+    if K % CHUNK:
+      acc += _steps(a_ptrs, b_ptrs, row_ok, col_ok, ks, M % BLOCK_M != 0, N % BLOCK_N != 0, N,
+                    BLOCK_M, BLOCK_N, BLOCK_K, K % CHUNK // BLOCK_K, K % BLOCK_K, TRANSPOSE_B,
+                    INPUT_PRECISION)
+  c_ptrs = c_ptr + g * (M * N) + rows[:, None] * N + cols[None, :]
+  tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _steps(a_ptrs, b_ptrs, row_ok, col_ok, ks, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr,
+           N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+           FULL_STEPS: tl.constexpr, PARTIAL: tl.constexpr, TRANSPOSE_B: tl.constexpr,
+           INPUT_PRECISION: tl.constexpr):
+  """The float32 sum from zero of ``FULL_STEPS`` BLOCK_K steps from the pointers,
+  then, if ``PARTIAL``, of a last step over its first ``PARTIAL`` indices."""
   acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-  for _ in range(0, K // BLOCK_K):
-    acc = _matmul_step(acc, a_ptrs, b_ptrs, row_ok, col_ok, ks < BLOCK_K, M % BLOCK_M != 0,
-                       N % BLOCK_N != 0, False, TRANSPOSE_B, INPUT_PRECISION)
+  for _ in range(0, FULL_STEPS):
+    acc = _matmul_step(acc, a_ptrs, b_ptrs, row_ok, col_ok, ks < BLOCK_K, MASK_ROWS, MASK_COLS,
+                       False, TRANSPOSE_B, INPUT_PRECISION)
     a_ptrs += BLOCK_K
     if TRANSPOSE_B:
       b_ptrs += BLOCK_K
     else:
       b_ptrs += BLOCK_K * N
-  if K % BLOCK_K:
-    acc = _matmul_step(acc, a_ptrs, b_ptrs, row_ok, col_ok, ks < K % BLOCK_K,
-                       M % BLOCK_M != 0, N % BLOCK_N != 0, True, TRANSPOSE_B, INPUT_PRECISION)
-  c_ptrs = c_ptr + g * (M * N) + rows[:, None] * N + cols[None, :]
-  tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+  if PARTIAL:
+    acc = _matmul_step(acc, a_ptrs, b_ptrs, row_ok, col_ok, ks < PARTIAL, MASK_ROWS, MASK_COLS,
+                       True, TRANSPOSE_B, INPUT_PRECISION)
+  return acc
 
 
 @triton.jit
@@ -170,13 +202,16 @@ def _at_b_step(acc, a_ptrs, d_ptrs, a_ok, d_ok, r_ok, MASK_A: tl.constexpr,
 
 
 def matmul_launch(g: int, m: int, n: int, k: int, *, transpose_b: bool, shared_b: bool,
-                  tiles: MatmulTiles, precision) -> tuple[tuple[int, int], dict]:
-  """Grid and constexpr arguments of :func:`matmul_kernel` (JAX and PyTorch launch alike)."""
+                  tiles: MatmulTiles, precision, contraction_chunk: int | None = None
+                  ) -> tuple[tuple[int, int], dict]:
+  """Grid and constexpr arguments of :func:`matmul_kernel` (JAX and PyTorch launch
+  alike); ``contraction_chunk``: the plan's (None: no chunks)."""
   grid = (cdiv(m, tiles.block_m) * cdiv(n, tiles.block_n), g)
+  chunk = k if contraction_chunk is None else min(contraction_chunk, k)
   return grid, dict(
       M=m, N=n, K=k, SHARED_B=shared_b, TRANSPOSE_B=transpose_b,
       BLOCK_M=tiles.block_m, BLOCK_N=tiles.block_n, BLOCK_K=BLOCK_K,
-      GROUP_M=tiles.group_m, INPUT_PRECISION=input_precision(precision))
+      GROUP_M=tiles.group_m, INPUT_PRECISION=input_precision(precision), CHUNK=chunk)
 
 
 def matmul_at_b_launch(g: int, r: int, k: int, n: int, *, tiles: MatmulTiles,

@@ -343,29 +343,74 @@ def test_deep_steps_run_the_kernel_in_interpret_mode():
       assert relative_error(got[0], jnp.asarray(want, jnp.float32)) < 1e-6, (transpose_b, chunk)
 
 
-def test_plan_routes_chunked_contractions_to_pallas_triton():
-  """A chunked contraction runs on the Pallas Triton kernel with the ladder's
-  tiles, whatever would serve the GEMM otherwise, and a chunk that covers the
-  contraction plans as no chunk; dB, jax-triton and chunks that are not whole
-  BLOCK_K steps are refused."""
+def test_fixed_contraction_chunk_follows_the_result_columns_alone():
+  """Results narrower than CHUNKED_BELOW_COLUMN_TILES column tiles sum their
+  contraction in chunks of CHUNK_PER_COLUMN_TILE indices per column tile, in
+  CHUNK_GRANULE multiples, at least MIN_CHUNK; the chunk never depends on the
+  contraction (only whether it is shorter), and dB (TN) has none."""
+  chunk = matmul_plan.fixed_contraction_chunk
+  for cols, want in ((1, 1024), (16, 1024), (512, 1024), (513, 1280), (727, 1536),
+                     (1024, 2048), (2032, 4096)):
+    for contraction in (want + 1, 3 * want + 17, 100_000):
+      assert chunk(Layout.NN, cols, contraction) == chunk(Layout.NT, cols, contraction) == want
+    assert chunk(Layout.NN, cols, want) is None, cols
+  for cols in (2033, 2048, 4096, 128256):
+    assert chunk(Layout.NN, cols, 100_000) is None, cols
+  assert chunk(Layout.TN, 512, 100_000) is None
+
+
+def test_plan_runs_chunks_on_every_kernel():
+  """A chunked contraction (the fixed chunk of a narrow result, or one asked
+  for) is planned on tiles whose accumulator fits twice, on the Mosaic GPU kernel
+  where it takes the sizes; a single problem of one row of tiles runs its chunks
+  on programs of their own, on any ladder tile.
+  A chunk that covers the contraction plans as no chunk; dB and chunks that are
+  not whole BLOCK_K steps are refused."""
+  limit = kernels.CHUNK_ACCUMULATOR_REGISTERS
   for layout in (Layout.NN, Layout.NT):
-    for rows in (1, 300, 4096):
-      chosen = _plan(layout, rows, 4096, 20000, contraction_chunk=8192)
-      tiles = matmul_plan.triton_tiles(layout, rows, 4096, bf16, bf16)
-      assert chosen == matmul_plan.Plan(Kernel.PALLAS_TRITON, tiles, contraction_chunk=8192)
-      for contraction, chunk in ((8192, 8192), (8192, 8256), (20, 32)):
-        assert _plan(layout, rows, 4096, contraction, contraction_chunk=chunk) == _plan(
-            layout, rows, 4096, contraction)
-  for layout, options in ((Layout.TN, {}), (Layout.NN, {"backend": "triton"}),
-                          (Layout.NT, {"contraction_chunk": 100})):
+    for rows, cols, contraction, chunk, kernel, split in (
+        (1, 512, 4096, None, Kernel.PALLAS_TRITON, True),
+        (64, 1024, 4096, None, Kernel.PALLAS_TRITON, True),
+        (65, 1024, 4096, None, Kernel.PALLAS_TRITON, False),
+        (300, 512, 4096, None, Kernel.MOSAIC_GPU, False),
+        (4096, 1024, 4096, None, Kernel.MOSAIC_GPU, False),
+        (4096, 1001, 4096, None, Kernel.PALLAS_TRITON, False),
+        (1, 4096, 20000, 8192, Kernel.PALLAS_TRITON, True),
+        (4096, 4096, 20000, 8192, Kernel.MOSAIC_GPU, False)):
+      chosen = _plan(layout, rows, cols, contraction, contraction_chunk=chunk)
+      want_chunk = chunk or matmul_plan.fixed_contraction_chunk(layout, cols, contraction)
+      assert (chosen.kernel, chosen.split_chunks, chosen.contraction_chunk) == (
+          kernel, split, want_chunk), (layout, rows, cols, chosen)
+      assert split or chosen.tiles.accumulator_registers <= limit, chosen
+      assert _plan(layout, rows, cols, contraction, backend="triton",
+                   contraction_chunk=chunk).contraction_chunk == want_chunk
+    for contraction, chunk in ((8192, 8192), (8192, 8256), (20, 32)):
+      assert _plan(layout, 300, 4096, contraction, contraction_chunk=chunk) == _plan(
+          layout, 300, 4096, contraction)
+  for layout, chunk in ((Layout.TN, 8192), (Layout.NT, 100)):
     with pytest.raises(ValueError, match="contraction_chunk needs"):
-      _plan(layout, 300, 4096, 20000, **{"contraction_chunk": 8192, **options})
+      _plan(layout, 300, 4096, 20000, contraction_chunk=chunk)
+
+
+def test_chunks_on_programs_of_their_own_give_the_in_program_bits():
+  """matmul_chunks (each chunk on a program of its own, the float32 partials
+  added in order by a second kernel) gives the bits of matmul with the same
+  chunks in one program, NN and NT, over whole chunks and a last chunk with a
+  partial step, at a row count that fills no tile."""
+  rng = np.random.default_rng(31)
+  lhs = random_normal(rng, (1, 37, 680), jnp.bfloat16)
+  rhs = random_normal(rng, (1, 680, 40), jnp.bfloat16)
+  for transpose_b, operand in ((False, rhs), (True, jnp.swapaxes(rhs, 1, 2))):
+    options = dict(transpose_b=transpose_b, out_dtype=jnp.float32, precision=None,
+                   tiles=kernels.INTERPRET_TILES, interpret=True, contraction_chunk=256)
+    assert_bitwise_equal(kernels.matmul_chunks(lhs, operand, **options),
+                         kernels.matmul(lhs, operand, **options), what=f"transpose_b={transpose_b}")
 
 
 def _chunked_equals_loop_of_gemms(rows, cols, contraction, chunk, *, interpret):
   """NN and NT with ``contraction_chunk`` against one GEMM per chunk (each as the
-  plan runs it) whose float32 results are added in order from zeros, bitwise;
-  and a chunk as long as the contraction against the unchunked GEMM."""
+  plan runs it, in one sum) whose float32 results are added in order from zeros,
+  bitwise."""
   rng = np.random.default_rng(contraction)
   lhs = random_normal(rng, (1, rows, contraction), jnp.bfloat16)
   rhs_nn = random_normal(rng, (1, contraction, cols), jnp.bfloat16)
@@ -375,12 +420,9 @@ def _chunked_equals_loop_of_gemms(rows, cols, contraction, chunk, *, interpret):
     want = jnp.zeros((1, rows, cols), jnp.float32)
     for first in range(0, contraction, chunk):
       part = slice(first, first + chunk)
-      want = want + run(layout, lhs[:, :, part], window(rhs, part))
+      want = want + run(layout, lhs[:, :, part], window(rhs, part), contraction_chunk=chunk)
     got = run(layout, lhs, rhs, contraction_chunk=chunk)
     assert_bitwise_equal(got, want, what=f"{layout.name} in chunks of {chunk}")
-    whole = -(-contraction // kernels.BLOCK_K) * kernels.BLOCK_K
-    assert_bitwise_equal(run(layout, lhs, rhs, contraction_chunk=whole), run(layout, lhs, rhs),
-                         what=f"{layout.name}, one chunk")
 
 
 @pytest.mark.parametrize("where", ["here", pytest.param("gpu", marks=pytest.mark.gpu)])
@@ -399,7 +441,8 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
   """The Mosaic GPU kernel runs 16-bit GEMMs of one problem with a result no
   smaller than one of its tiles and 16-byte row pitches (every operand's and the
   result's minor dimension a multiple of 8): the forward and dA above LADDER_ROWS
-  rows, dB whatever the token count."""
+  rows (but a chunked contraction whose chunks run on programs of their own),
+  dB whatever the token count."""
   for layout in Layout:
     for rows in (1, 64, 128, 129, 192, 300, 777, 1000, 1001, 4096):
       for cols in (64, 128, 192, 320, 1000, 1004, 1024, 4096, 13824):
@@ -413,8 +456,9 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
           else:
             mosaic_fits = (rows > hopper.LADDER_ROWS and cols % 8 == 0 and contraction % 8 == 0
                            and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
-          assert (chosen.kernel is Kernel.MOSAIC_GPU) == mosaic_fits, (layout, rows, cols,
-                                                                        contraction, chosen)
+          assert (chosen.kernel is Kernel.MOSAIC_GPU) == (mosaic_fits and not
+                                                          chosen.split_chunks), (
+              layout, rows, cols, contraction, chosen)
           if chosen.kernel is Kernel.MOSAIC_GPU:
             assert chosen.tiles.fits(rows, cols), (layout, rows, cols, chosen)
           assert kernels.fit_stages(chosen.tiles, bf16, bf16) == chosen.tiles
@@ -468,8 +512,8 @@ def test_plan_triton_ladder_picks():
   # 2048; the expert 16-22% faster on the H100), else in 128-deep steps where
   # every row is a multiple of 16 bytes; shorter contractions, wider
   # tiles and grids of two waves keep 64-deep steps.
-  depth = lambda rows, cols, contraction, groups=1, layout=Layout.NN: _plan(
-      layout, rows, cols, contraction, groups=groups).tiles.step_k
+  depth = lambda rows, cols, contraction, groups=1, layout=Layout.NN: matmul_plan.triton_tiles(
+      layout, rows, cols, bf16, bf16, groups, contraction=contraction).step_k
   assert depth(16, 1536, 2048) == depth(8, 2048, 2048) == 256
   assert depth(1, 816, 2240, layout=Layout.NT) == depth(16, 1536, 2560, layout=Layout.NT) == 256
   assert depth(1, 816, 2240) == depth(16, 1536, 2600) == depth(2, 1000, 3000) == 128
@@ -502,6 +546,10 @@ def test_plan_mosaic_row_tile_rule():
   # Where the lhs's rows miss the lines too, also 2 x 2 twins that share the lhs,
   # of which at most QUAD_CLUSTERS run at once (120 of 132 SMs).
   assert all(t.rate(True, True) == t.throughput for t in hopper.ROW_TILES)
+  # The rule as such, without the chunks a 1000-column result's contraction runs
+  # in (those keep to tiles that fit two accumulators: test_plan_runs_chunks_on_every_kernel).
+  unchunked = lambda layout, rows, cols, contraction: _plan(layout, rows, cols, contraction,
+                                                            contraction_chunk=contraction)
   misaligned = lambda rows, cols, lhs_aligned=False: matmul_plan.mosaic_row_tiles(
       rows, cols, num_sms=132, lhs_aligned=lhs_aligned, rhs_aligned=False)
   twin = lambda tiles: dataclasses.replace(tiles, multicast=True)
@@ -517,7 +565,7 @@ def test_plan_mosaic_row_tile_rule():
   assert misaligned(2820, 1000) == twin(big)
   assert quad(small).concurrent_ctas(132) == 4 * hopper.QUAD_CLUSTERS == 120
   assert twin(small).concurrent_ctas(132) == small.concurrent_ctas(132) == 132
-  assert _plan(Layout.NN, 4096, 1000, 3000).tiles == twin(big)
+  assert unchunked(Layout.NN, 4096, 1000, 3000).tiles == twin(big)
   assert _plan(Layout.NN, 4096, 4096, 1000).tiles == big  # only the rhs's pitch counts
   assert _plan(Layout.NT, 4096, 4096, 1000).tiles == twin(big)
   assert _plan(Layout.TN, 3000, 1000, 16384).tiles == twin(big)
@@ -525,18 +573,18 @@ def test_plan_mosaic_row_tile_rule():
   # fill the wave: 6000 x 1000 in 128 tiles of 192 x 256 (one wave), not 192 of
   # the paired 128 x 256 (two).
   shape = lambda t: (t.block_m, t.block_cols, t.transposed, t.cluster_size)
-  assert shape(_plan(Layout.NN, 6000, 1000, 3000).tiles) == (192, 256, True, 2)
-  assert shape(_plan(Layout.NT, 6000, 1000, 3000).tiles) == (192, 256, True, 2)
+  assert shape(unchunked(Layout.NN, 6000, 1000, 3000).tiles) == (192, 256, True, 2)
+  assert shape(unchunked(Layout.NT, 6000, 1000, 3000).tiles) == (192, 256, True, 2)
   # Where a paired plain tile fills the wave too, the twins' line bound decides:
   # 2000 x 1000 over K = 4096 in 120 tiles of 136 x 128 rather than 128 of the
   # paired 128 x 128.
-  assert shape(_plan(Layout.NN, 2000, 1000, 4096).tiles) == (136, 128, True, 2)
+  assert shape(unchunked(Layout.NN, 2000, 1000, 4096).tiles) == (136, 128, True, 2)
   # With both operands off the lines, the 2 x 2 twins: 2048 x 1000 in 28 clusters
   # of 152 x 128 tiles; 136 x 128 would take 32, two waves (0.59x of cuBLAS on
   # the H100 against 1.02x).
-  assert shape(_plan(Layout.NN, 2048, 1000, 3000).tiles) == (152, 128, True, 4)
+  assert shape(unchunked(Layout.NN, 2048, 1000, 3000).tiles) == (152, 128, True, 4)
   assert shape(_plan(Layout.NN, 384, 3000, 1000).tiles) == (96, 128, True, 4)
-  assert shape(_plan(Layout.NN, 3000, 1000, 3000).tiles) == (104, 256, True, 4)
+  assert shape(unchunked(Layout.NN, 3000, 1000, 3000).tiles) == (104, 256, True, 4)
   assert not any(t.multicast for t in matmul_plan.mosaic_tile_candidates(True, True))
   assert not any(t.multicast_lhs for t in matmul_plan.mosaic_tile_candidates(False, True))
   with pytest.raises(ValueError, match="split_rows needs block_m = 128"):
@@ -664,23 +712,34 @@ def _gpu_ladder_configs():
 
 
 def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, device=None):
-  """Every plan the plan could make for a GEMM of these sizes: each Triton ladder
-  tile at each stage count, jax-triton where it is installed, and, where the
-  Mosaic GPU kernel serves the sizes, each of its candidate tiles
-  (``matmul_plan.mosaic_tile_candidates``). ``device``: the plan's (default:
-  the current one)."""
-  plans = [matmul_plan.Plan(Kernel.PALLAS_TRITON, kernels.fit_stages(t, dtype, dtype))
-           for t in (_gpu_ladder_configs() if layout is not Layout.TN
-                     else [kernels.GPU_AT_B_TILES, *kernels.GPU_MATMUL_LADDER])]
+  """Every plan the plan could make for a GEMM of these sizes, in the contraction's
+  chunks (``matmul_plan.fixed_contraction_chunk``): each Triton ladder tile at
+  each stage count (for a chunked contraction, those whose accumulator fits
+  twice, and every tile with the chunks on programs of their own), jax-triton
+  where it is installed, and, where the Mosaic GPU kernel serves the sizes, each
+  of its candidate tiles (``matmul_plan.mosaic_tile_candidates``). ``device``:
+  the plan's (default: the current one)."""
+  chunk = matmul_plan.fixed_contraction_chunk(layout, cols, contraction)
+  ladder = (_gpu_ladder_configs() if layout is not Layout.TN
+            else [kernels.GPU_AT_B_TILES, *kernels.GPU_MATMUL_LADDER])
+  plans = [matmul_plan.Plan(Kernel.PALLAS_TRITON, kernels.fit_stages(t, dtype, dtype),
+                            contraction_chunk=chunk)
+           for t in ladder if chunk is None
+           or t.accumulator_registers <= kernels.CHUNK_ACCUMULATOR_REGISTERS]
+  if chunk is not None:
+    plans += [matmul_plan.Plan(Kernel.PALLAS_TRITON, kernels.fit_stages(t, dtype, jnp.float32),
+                               contraction_chunk=chunk, split_chunks=True) for t in ladder]
   if importlib.util.find_spec("jax_triton"):
     plans.append(dataclasses.replace(plans[0], kernel=Kernel.JAX_TRITON))
   if matmul_plan.plan(layout, rows, cols, contraction, dtype=dtype, out_dtype=dtype,
                       device=device).kernel is Kernel.MOSAIC_GPU:
     lhs_aligned, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
     candidates = matmul_plan.mosaic_tile_candidates(
-        rhs_aligned, transposed=hopper.transposed_takes(layout, dtype), lhs_aligned=lhs_aligned)
+        rhs_aligned, transposed=hopper.transposed_takes(layout, dtype), lhs_aligned=lhs_aligned,
+        chunked=chunk is not None)
     plans += [matmul_plan.Plan(Kernel.MOSAIC_GPU, kernels.fit_stages(
-                  matmul_plan.mosaic_strips(t, rows, cols, contraction), dtype, dtype))
+                  matmul_plan.mosaic_strips(t, rows, cols, contraction), dtype, dtype),
+                               contraction_chunk=chunk)
               for t in candidates if t.fits(rows, cols)]
   return plans
 
@@ -729,7 +788,8 @@ def _plans_taken(rows_limit: int, cols: int, contraction: int, layout) -> dict:
 EVERY_PLAN_KN = ((4096, 4096), (1000, 3000), (64, 192))
 # And the weights at which it compares the plans jdet.matmul takes: the mirrored
 # unaligned weight, a long contraction, a 64-misaligned result, few columns.
-ENVELOPE_KN = EVERY_PLAN_KN + ((3000, 1000), (14336, 4096), (5120, 13824), (192, 320))
+ENVELOPE_KN = EVERY_PLAN_KN + ((3000, 1000), (14336, 4096), (5120, 13824), (192, 320),
+                               (4096, 512))
 
 
 def _gpu_every_kernel_agrees(k, n, dtype=jnp.bfloat16):
