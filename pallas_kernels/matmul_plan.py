@@ -79,10 +79,13 @@ class Device:
 # (fixed_contraction_chunk): at a few rows its column tiles alone leave most of
 # the H100's 132 SMs idle, each walking the whole contraction. A chunk is
 # CHUNK_PER_COLUMN_TILE indices per column tile (about 128 programs over a
-# 4096-long contraction at a few rows), rounded up to CHUNK_GRANULE. On the H100
-# (benchmarks/results/h100.md, fortieth section) XLA ran such GEMMs (K/V
-# projections, 300-1500-column weights) 1.4-3.3x faster than one program per
-# column tile at 1-64 rows.
+# 4096-long contraction at a few rows), rounded up to CHUNK_GRANULE, and at least
+# MIN_CHUNK (the Pallas Triton kernel refills its pipeline at each chunk of an
+# in-program loop: 256-long chunks ran 23-48% slower than one sum). On the H100
+# (benchmarks/results/h100.md, fortieth section) XLA ran such GEMMs 1.2-4.8x
+# faster than one program per column tile at 1-64 rows (K/V projections among
+# them); the chunks made those 1.3-2.6x faster, and GEMMs of 8192 rows 1-17%
+# slower (tiles that hold two accumulators).
 CHUNKED_BELOW_COLUMN_TILES = 128
 CHUNK_COLUMN_TILE = min(t.block_n for t in pallas_triton.GPU_MATMUL_LADDER)
 CHUNK_PER_COLUMN_TILE = 32
