@@ -8,15 +8,19 @@ lengths; the cases and the timing are the op registry's and the one harness's
 bench`'s. Results: benchmarks/results/h100.md (nineteenth session).
 
 Run: ``PYTHONPATH=. python3 benchmarks/bench_unseen_shapes.py [--part NAME ...]``
-(parts: rows, attention, token_logprobs, matmul; default all; on a CPU the
-kernels run in interpret mode and the timings mean nothing).
+(parts: rows, attention, token_logprobs, matmul, matmul_random; default all; on
+a CPU the kernels run in interpret mode and the timings mean nothing).
+``matmul_random`` draws its GEMM sizes at random from a fixed seed
+(benchmarks/results/h100_unseen_shapes.md, fortieth section).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import jax.numpy as jnp
+import numpy as np
 
 from jdet import bench
 from jdet import _registry as registry
@@ -68,8 +72,35 @@ def matmul_cases():
                                        passes=("fwd+bwd",))]
 
 
+def _random_gemm_sizes(rng, min_m: int) -> tuple[int, int, int]:
+  """(M, K, N): M log-uniform in min_m-16384, K and N log-uniform in 256-16384, each
+  rounded down to a multiple of 128 with probability 0.5, of 8 with 0.3, left as drawn
+  with 0.2; drawn again until K N <= 2^27 and M K N <= 2^39 (a bounded time)."""
+  def dim():
+    size = round(math.exp(rng.uniform(math.log(256), math.log(16384))))
+    align = int(rng.choice((128, 8, 1), p=(0.5, 0.3, 0.2)))
+    return max(align, size // align * align)
+
+  while True:
+    m = round(math.exp(rng.uniform(math.log(min_m), math.log(16384))))
+    k, n = dim(), dim()
+    if k * n <= 2 ** 27 and m * k * n <= 2 ** 39:
+      return m, k, n
+
+
+def matmul_random_cases(seed: int = 20261128, forward: int = 70, backward: int = 16):
+  """GEMMs at sizes drawn at random (:func:`_random_gemm_sizes`): ``forward``
+  forward cases, then ``backward`` forward+backward ones with M >= 64."""
+  rng = np.random.default_rng(seed)
+  fwd = [_random_gemm_sizes(rng, 1) for _ in range(forward)]
+  bwd = [_random_gemm_sizes(rng, 64) for _ in range(backward)]
+  return [*registry.matmul_bench_cases([(m, (k, n)) for m, k, n in fwd], passes=("fwd",)),
+          *registry.matmul_bench_cases([(m, (k, n)) for m, k, n in bwd], passes=("fwd+bwd",))]
+
+
 PARTS = {"rows": row_op_cases, "attention": attention_cases,
-         "token_logprobs": token_logprobs_cases, "matmul": matmul_cases}
+         "token_logprobs": token_logprobs_cases, "matmul": matmul_cases,
+         "matmul_random": matmul_random_cases}
 
 
 def main():
