@@ -3,7 +3,8 @@
 Same numerics contract as :mod:`pallas_kernels.matmul`: each output element is
 the sum over the contraction in ``BLOCK_K`` = 64 steps, in increasing order,
 each step's product added to one float32 accumulator that starts at zero,
-rounded to the output dtype once. A step is four k16 ``wgmma`` instructions
+rounded to the output dtype once (or, with ``contraction_chunk``, each chunk of
+steps so and the chunk sums added in order). A step is four k16 ``wgmma`` instructions
 chained into that accumulator, which is what the Triton lowering of the Pallas
 kernels emits on the H100 too, so the two give the same bits and
 :func:`pallas_kernels.matmul_plan.plan` may send any row count to either

@@ -3,8 +3,9 @@ kernel and its tiles, :func:`launch` runs a plan, :func:`run` does both.
 
 Three kernels compute the GEMM, all under the numerics contract of
 :mod:`pallas_kernels.matmul` (the contraction in ``BLOCK_K`` steps in increasing
-order into one float32 accumulator), so they give the same bits and the plan
-may choose by any size, the token count included. It chooses speed, never bits:
+order into one float32 accumulator, or fixed chunks of it so, added in order:
+:func:`fixed_contraction_chunk`), so they give the same bits and the plan may
+choose by any size, the token count included. It chooses speed, never bits:
 
 * ``Kernel.MOSAIC_GPU`` (:mod:`pallas_kernels.hopper_matmul`): TMA + wgmma on a
   persistent grid. An H100, 16-bit operands, one problem (no groups), more than

@@ -3,7 +3,8 @@
 Same numerics contract as :mod:`pallas_kernels.matmul`: every output element is
 the sum over the contraction dimension in ``BLOCK_K`` = 64 steps, in increasing
 order, each step's float32 product added to one float32 accumulator that starts
-at zero, rounded to the output dtype once at the end. The kernels below mirror
+at zero (or fixed chunks of the contraction so, their sums added in order),
+rounded to the output dtype once at the end. The kernels below mirror
 the Pallas ones op for op (masked loads that fill zeros, ``acc + dot(a, b)``
 with a fresh float32 dot per step, the same input precision, the same grouped
 tile order; float32 operands of TF32 dots rounded to TF32 as that lowering
