@@ -169,19 +169,32 @@ MATMUL_GRID_M = (1, 2, 3, 5, 8, 13, 16, 31, 64, 100, 128, 200, 256, 300, 384, 44
 
 
 def _matmul_check(full):
-  m, k, n = (1024, 4096, 4096) if full else (40, 96, 80)
-  a, b = random_normal(0, (m, k), jnp.bfloat16), random_normal(1, (k, n), jnp.bfloat16)
-  a64, b64 = np.asarray(a[:REFERENCE_ROWS], np.float64), np.asarray(b, np.float64)
+  """A square-ish weight's forward and dA, then a narrow weight's forward and a
+  short one's dA, both of which sum fixed chunks of the contraction
+  (``matmul_plan.fixed_contraction_chunk``)."""
+  m = 1024 if full else 40
   sizes = (1, 17, 129) if full else CPU_CHECK_SIZES
-  # Both against float64 on the host; bf16 outputs (and dA's bf16 cotangent, the
-  # forward's output) bound the errors near 4e-3.
-  return [
-      Case("matmul", f"fwd bf16 [{m},{k}]x[{k},{n}]", jdet.matmul, (a, b), (0, None),
-           lambda out: relative_error(out[:REFERENCE_ROWS], a64 @ b64), 1e-2, sizes),
-      Case("matmul", "dA (grad of sum of squares)", _row_grad(jdet.matmul), (a, b),
-           (0, None), lambda out: relative_error(out[:REFERENCE_ROWS], (a64 @ b64) @ b64.T),
-           1e-2, sizes),
-  ]
+  square, narrow = ((4096, 4096), (4096, 512)) if full else ((96, 80), (1100, 24))
+  weights = {"square": square, "narrow": narrow, "short": narrow[::-1]}
+  operands = {name: (random_normal(2 * i, (m, k), jnp.bfloat16),
+                     random_normal(2 * i + 1, (k, n), jnp.bfloat16))
+              for i, (name, (k, n)) in enumerate(weights.items())}
+
+  def case(what, fn, name, reference):
+    a, b = operands[name]
+    a64, b64 = np.asarray(a[:REFERENCE_ROWS], np.float64), np.asarray(b, np.float64)
+    (k, n), chunked = weights[name], ", fixed K-chunks" if name != "square" else ""
+    # Against float64 on the host; bf16 outputs (and dA's bf16 cotangent, the
+    # forward's output) bound the errors near 4e-3.
+    return Case("matmul", f"{what} [{m},{k}]x[{k},{n}]{chunked}", fn, (a, b), (0, None),
+                lambda out: relative_error(out[:REFERENCE_ROWS], reference(a64, b64)), 1e-2,
+                sizes)
+
+  forward, d_a = lambda a, b: a @ b, lambda a, b: (a @ b) @ b.T
+  return [case("fwd bf16", jdet.matmul, "square", forward),
+          case("dA (grad of sum of squares)", _row_grad(jdet.matmul), "square", d_a),
+          case("fwd bf16", jdet.matmul, "narrow", forward),
+          case("dA (grad of sum of squares)", _row_grad(jdet.matmul), "short", d_a)]
 
 
 def matmul_bench_cases(shapes, *, backends=("pallas",), dtype=jnp.bfloat16,
