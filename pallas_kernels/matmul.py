@@ -160,9 +160,10 @@ DEEP_STEP_SPARE_STAGES = 2
 # the plan runs it only on tiles (of any kernel) whose accumulator takes at most
 # this many registers a thread, so that both fit beside the addresses (the
 # 128 x 256 tiles of the Triton ladder and of the Mosaic GPU kernel take 128).
-# On the H100 the Mosaic GPU kernel's 128 x 192 (96) ran chunked GEMMs of 8192
-# rows 1-3% faster than the tiles of at most 80 (benchmarks/results/h100.md,
-# fortieth section).
+# On the H100, admitting 96 (the Mosaic GPU kernel's 128 x 192 and wider
+# transposed tiles) made chunked GEMMs of 8192 rows 1-3% faster than a limit of
+# 80 at three of four weights, 1% slower at the fourth (benchmarks/results/
+# h100.md, fortieth section).
 CHUNK_ACCUMULATOR_REGISTERS = 96
 
 # dB = Aᵀ @ D tiles on the GPU: the output is [K, N], so they never depend on the
