@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import cdiv, mosaic_gpu
 from pallas_kernels.matmul import (BLOCK_K, CHUNK_ACCUMULATOR_REGISTERS, H100_SM_COUNT, Layout,
-                                   fit_stages)
+                                   fit_stages, holds_two_accumulators)
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 EPILOGUE_TILE = 64  # the output leaves in TMA stores of 64 rows
@@ -583,7 +583,7 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles,
                      f"{layout.name} and {jnp.dtype(out_dtype)}")
   if contraction_chunk is not None and (
       layout is Layout.TN or contraction_chunk % BLOCK_K
-      or tiles.accumulator_registers > CHUNK_ACCUMULATOR_REGISTERS):
+      or not holds_two_accumulators(tiles)):
     raise ValueError(f"contraction_chunk needs layout NN or NT, a multiple of {BLOCK_K} and "
                      f"tiles whose accumulator takes at most {CHUNK_ACCUMULATOR_REGISTERS} "
                      f"registers; got {layout.name}, {contraction_chunk}, {tiles}")

@@ -166,6 +166,13 @@ DEEP_STEP_SPARE_STAGES = 2
 # h100.md, fortieth section).
 CHUNK_ACCUMULATOR_REGISTERS = 96
 
+
+def holds_two_accumulators(tiles) -> bool:
+  """Whether ``tiles`` (any GEMM kernel's: ``MatmulTiles``,
+  ``hopper_matmul.HopperTiles``) may run a chunked contraction in each program:
+  its accumulator takes at most CHUNK_ACCUMULATOR_REGISTERS registers a thread."""
+  return tiles.accumulator_registers <= CHUNK_ACCUMULATOR_REGISTERS
+
 # dB = Aᵀ @ D tiles on the GPU: the output is [K, N], so they never depend on the
 # row count (`tune_matmul.py --at-b`; notes/h100_notebook.md, "GEMM tile sweep").
 GPU_AT_B_TILES = MatmulTiles(128, 256, 8, 3)

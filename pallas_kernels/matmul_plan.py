@@ -141,7 +141,7 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   ``jdet.matmul``; a chunk that covers the contraction (of any size) is no
   chunking. Every kernel runs chunks: the Triton kernels and the Mosaic GPU
   kernel on tiles whose accumulator fits twice
-  (``pallas_kernels.matmul.CHUNK_ACCUMULATOR_REGISTERS``); a single problem of
+  (``pallas_kernels.matmul.holds_two_accumulators``); a single problem of
   at most ``GPU_ONE_ROW_OF_TILES`` rows (one row of tiles, fewer column tiles
   than the chunk rule's limit) runs its chunks on programs of their own
   (``Plan.split_chunks``).
@@ -188,7 +188,7 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   """The Triton kernels' GPU tiles (pallas_kernels.matmul's tables) for ``groups``
   GEMMs of a [rows, cols] result on a GPU of ``num_sms`` SMs, over ``contraction``
   if known; ``chunked`` (a chunked contraction in each program) keeps to the
-  tiles whose accumulator fits twice (``CHUNK_ACCUMULATOR_REGISTERS``).
+  tiles whose accumulator fits twice (``holds_two_accumulators``).
 
   dB's result is [K, N] of the weight: its tile never sees the token count.
   For the forward and dA: up to GPU_ONE_ROW_OF_TILES rows, the smallest
@@ -210,8 +210,8 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   """
   if layout is Layout.TN:
     return pallas_triton.fit_stages(pallas_triton.GPU_AT_B_TILES, dtype, out_dtype)
-  candidates = tuple(t for t in pallas_triton.GPU_MATMUL_LADDER if not chunked
-                     or t.accumulator_registers <= pallas_triton.CHUNK_ACCUMULATOR_REGISTERS)
+  candidates = tuple(t for t in pallas_triton.GPU_MATMUL_LADDER
+                     if not chunked or pallas_triton.holds_two_accumulators(t))
   if rows <= pallas_triton.GPU_ONE_ROW_OF_TILES:
     block_m = min(t.block_m for t in candidates if t.block_m >= rows)
     candidates = tuple(t for t in candidates if t.block_m == block_m)
@@ -299,10 +299,9 @@ def mosaic_tile_candidates(rhs_aligned: bool, transposed: bool = False,
   ``lhs_aligned``), also their 2 x 2 twins (``multicast_lhs`` as well), which
   share the lhs blocks too: on the H100 14 of 15 such GEMMs ran 2-32% faster
   than the pairs' picks, one 6% slower (same section). ``chunked``: only the
-  tiles whose accumulator fits twice (``CHUNK_ACCUMULATOR_REGISTERS``)."""
+  tiles whose accumulator fits twice (``holds_two_accumulators``)."""
   base = tuple(t for t in mosaic.ROW_TILES + (mosaic.TRANSPOSED_TILES if transposed else ())
-               if not chunked
-               or t.accumulator_registers <= pallas_triton.CHUNK_ACCUMULATOR_REGISTERS)
+               if not chunked or pallas_triton.holds_two_accumulators(t))
   candidates = base
   if not rhs_aligned:
     candidates += tuple(dataclasses.replace(t, multicast=True) for t in base)

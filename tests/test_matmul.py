@@ -724,8 +724,7 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
             else [kernels.GPU_AT_B_TILES, *kernels.GPU_MATMUL_LADDER])
   plans = [matmul_plan.Plan(Kernel.PALLAS_TRITON, kernels.fit_stages(t, dtype, dtype),
                             contraction_chunk=chunk)
-           for t in ladder if chunk is None
-           or t.accumulator_registers <= kernels.CHUNK_ACCUMULATOR_REGISTERS]
+           for t in ladder if chunk is None or kernels.holds_two_accumulators(t)]
   if chunk is not None:
     plans += [matmul_plan.Plan(Kernel.PALLAS_TRITON, kernels.fit_stages(t, dtype, jnp.float32),
                                contraction_chunk=chunk, split_chunks=True) for t in ladder]
