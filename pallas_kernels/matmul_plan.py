@@ -92,6 +92,15 @@ CHUNK_COLUMN_TILE = min(t.block_n for t in pallas_triton.GPU_MATMUL_LADDER)
 CHUNK_PER_COLUMN_TILE = 32
 CHUNK_GRANULE = 256
 MIN_CHUNK = 1024
+# Up to this many rows a chunked GEMM runs its chunks on programs of their own
+# (Plan.split_chunks): a narrow result there is a few row tiles of fewer than 128
+# sixteen-column tiles, so in-program chunks leave most SMs idle (12-48 Mosaic
+# tiles on 132 SMs at 160-256 rows). On the H100 (benchmarks/results/h100.md,
+# forty-first section), over 47 narrow GEMMs at 65-256 rows, the split ran
+# 1.14-2.2x faster than in-program chunks at 38, within 5% at 5, and 0.75-0.85x
+# at 4 (the 3000 x 1000 weight from 160 rows, odd widths at 100); at 514 rows it
+# lost at 7 of 8.
+SPLIT_CHUNK_ROWS = 256
 
 
 def fixed_contraction_chunk(layout: Layout, cols: int, contraction: int) -> int | None:
@@ -142,8 +151,7 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   chunking. Every kernel runs chunks: the Triton kernels and the Mosaic GPU
   kernel on tiles whose accumulator fits twice
   (``pallas_kernels.matmul.holds_two_accumulators``); a single problem of
-  at most ``GPU_ONE_ROW_OF_TILES`` rows (one row of tiles, fewer column tiles
-  than the chunk rule's limit) runs its chunks on programs of their own
+  at most ``SPLIT_CHUNK_ROWS`` rows runs its chunks on programs of their own
   (``Plan.split_chunks``).
   """
   dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype)
@@ -166,7 +174,7 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
     return Plan(Kernel.JAX_TRITON, triton_tiles(layout, rows, cols, dtype, out_dtype, groups,
                                                 num_sms, chunked=chunked),
                 contraction_chunk=contraction_chunk)
-  if chunked and groups == 1 and rows <= pallas_triton.GPU_ONE_ROW_OF_TILES:
+  if chunked and groups == 1 and rows <= SPLIT_CHUNK_ROWS:
     split_tiles = triton_tiles(layout, rows, cols, dtype, jnp.float32,
                                cdiv(contraction, contraction_chunk), num_sms,
                                contraction=contraction_chunk)

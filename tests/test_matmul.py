@@ -362,8 +362,8 @@ def test_fixed_contraction_chunk_follows_the_result_columns_alone():
 def test_plan_runs_chunks_on_every_kernel():
   """A chunked contraction (the fixed chunk of a narrow result, or one asked
   for) is planned on tiles whose accumulator fits twice, on the Mosaic GPU kernel
-  where it takes the sizes; a single problem of one row of tiles runs its chunks
-  on programs of their own, on any ladder tile.
+  where it takes the sizes; a single problem of at most SPLIT_CHUNK_ROWS rows runs
+  its chunks on programs of their own, on any ladder tile.
   A chunk that covers the contraction plans as no chunk; dB and chunks that are
   not whole BLOCK_K steps are refused."""
   limit = kernels.CHUNK_ACCUMULATOR_REGISTERS
@@ -371,7 +371,8 @@ def test_plan_runs_chunks_on_every_kernel():
     for rows, cols, contraction, chunk, kernel, split in (
         (1, 512, 4096, None, Kernel.PALLAS_TRITON, True),
         (64, 1024, 4096, None, Kernel.PALLAS_TRITON, True),
-        (65, 1024, 4096, None, Kernel.PALLAS_TRITON, False),
+        (256, 1024, 4096, None, Kernel.PALLAS_TRITON, True),
+        (257, 1024, 4096, None, Kernel.MOSAIC_GPU, False),
         (300, 512, 4096, None, Kernel.MOSAIC_GPU, False),
         (4096, 1024, 4096, None, Kernel.MOSAIC_GPU, False),
         (4096, 1001, 4096, None, Kernel.PALLAS_TRITON, False),
