@@ -92,15 +92,20 @@ CHUNK_COLUMN_TILE = min(t.block_n for t in pallas_triton.GPU_MATMUL_LADDER)
 CHUNK_PER_COLUMN_TILE = 32
 CHUNK_GRANULE = 256
 MIN_CHUNK = 1024
-# Up to this many rows a chunked GEMM runs its chunks on programs of their own
+# Up to SPLIT_CHUNK_ROWS rows, a chunked GEMM whose contraction holds at least
+# SPLIT_MIN_CHUNKS whole chunks runs its chunks on programs of their own
 # (Plan.split_chunks): a narrow result there is a few row tiles of fewer than 128
 # sixteen-column tiles, so in-program chunks leave most SMs idle (12-48 Mosaic
-# tiles on 132 SMs at 160-256 rows). On the H100 (benchmarks/results/h100.md,
-# forty-first section), over 47 narrow GEMMs at 65-256 rows, the split ran
-# 1.14-2.2x faster than in-program chunks at 38, within 5% at 5, and 0.75-0.85x
-# at 4 (the 3000 x 1000 weight from 160 rows, odd widths at 100); at 514 rows it
-# lost at 7 of 8.
+# tiles on 132 SMs at 160-256 rows), and the split at least halves each
+# program's contraction. On the H100 (benchmarks/results/h100.md, forty-first
+# section), over 40 GEMMs at 65-256 rows of 11 narrow weights with two whole
+# chunks or more, the split ran 1.14-2.2x faster than in-program chunks at 38,
+# 1.02x at one and 0.79x at one (odd widths at 100 rows); over the weights with
+# less (3000 x 1000 and 2048 x 768: 1.3-1.5 chunks) 0.75-1.05x, and at 3 rows of
+# a 1152 x 512 weight (1.1 chunks) the split took 4.7 us where the earlier
+# unchunked plan took 3.3. At 514 rows it lost at 7 of 8 weights.
 SPLIT_CHUNK_ROWS = 256
+SPLIT_MIN_CHUNKS = 2
 
 
 def fixed_contraction_chunk(layout: Layout, cols: int, contraction: int) -> int | None:
@@ -151,8 +156,8 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   chunking. Every kernel runs chunks: the Triton kernels and the Mosaic GPU
   kernel on tiles whose accumulator fits twice
   (``pallas_kernels.matmul.holds_two_accumulators``); a single problem of
-  at most ``SPLIT_CHUNK_ROWS`` rows runs its chunks on programs of their own
-  (``Plan.split_chunks``).
+  at most ``SPLIT_CHUNK_ROWS`` rows over at least ``SPLIT_MIN_CHUNKS`` whole
+  chunks runs its chunks on programs of their own (``Plan.split_chunks``).
   """
   dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype)
   if backend not in BACKENDS:
@@ -174,7 +179,8 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
     return Plan(Kernel.JAX_TRITON, triton_tiles(layout, rows, cols, dtype, out_dtype, groups,
                                                 num_sms, chunked=chunked),
                 contraction_chunk=contraction_chunk)
-  if chunked and groups == 1 and rows <= SPLIT_CHUNK_ROWS:
+  if (chunked and groups == 1 and rows <= SPLIT_CHUNK_ROWS
+      and contraction >= SPLIT_MIN_CHUNKS * contraction_chunk):
     split_tiles = triton_tiles(layout, rows, cols, dtype, jnp.float32,
                                cdiv(contraction, contraction_chunk), num_sms,
                                contraction=contraction_chunk)

@@ -362,8 +362,9 @@ def test_fixed_contraction_chunk_follows_the_result_columns_alone():
 def test_plan_runs_chunks_on_every_kernel():
   """A chunked contraction (the fixed chunk of a narrow result, or one asked
   for) is planned on tiles whose accumulator fits twice, on the Mosaic GPU kernel
-  where it takes the sizes; a single problem of at most SPLIT_CHUNK_ROWS rows runs
-  its chunks on programs of their own, on any ladder tile.
+  where it takes the sizes; a single problem of at most SPLIT_CHUNK_ROWS rows over
+  at least SPLIT_MIN_CHUNKS whole chunks runs its chunks on programs of their own,
+  on any ladder tile.
   A chunk that covers the contraction plans as no chunk; dB and chunks that are
   not whole BLOCK_K steps are refused."""
   limit = kernels.CHUNK_ACCUMULATOR_REGISTERS
@@ -373,6 +374,8 @@ def test_plan_runs_chunks_on_every_kernel():
         (64, 1024, 4096, None, Kernel.PALLAS_TRITON, True),
         (256, 1024, 4096, None, Kernel.PALLAS_TRITON, True),
         (257, 1024, 4096, None, Kernel.MOSAIC_GPU, False),
+        (64, 1024, 4088, None, Kernel.PALLAS_TRITON, False),
+        (256, 1024, 4088, None, Kernel.MOSAIC_GPU, False),
         (300, 512, 4096, None, Kernel.MOSAIC_GPU, False),
         (4096, 1024, 4096, None, Kernel.MOSAIC_GPU, False),
         (4096, 1001, 4096, None, Kernel.PALLAS_TRITON, False),
