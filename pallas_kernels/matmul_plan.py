@@ -100,10 +100,11 @@ MIN_CHUNK = 1024
 # program's contraction. On the H100 (benchmarks/results/h100.md, forty-first
 # section), over 40 GEMMs at 65-256 rows of 11 narrow weights with two whole
 # chunks or more, the split ran 1.14-2.2x faster than in-program chunks at 38,
-# 1.02x at one and 0.79x at one (odd widths at 100 rows); over the weights with
-# less (3000 x 1000 and 2048 x 768: 1.3-1.5 chunks) 0.75-1.05x, and at 3 rows of
-# a 1152 x 512 weight (1.1 chunks) the split took 4.7 us where the earlier
-# unchunked plan took 3.3. At 514 rows it lost at 7 of 8 weights.
+# 1.02x at one and 0.79x at one (odd widths at 100 rows). Over weights with less:
+# 0.75-1.05x at 65-256 rows (3000 x 1000 and 2048 x 768: 1.3-1.5 chunks); at 3-64
+# rows 0.82-0.93x over 1152 x 512 (1.1 chunks) and 1.12-1.16x over 3000 x 1000,
+# whose in-program chunks there still ran 1.04-1.22x as fast as cuBLAS. At 514 rows
+# the split lost at 7 of 8 weights.
 SPLIT_CHUNK_ROWS = 256
 SPLIT_MIN_CHUNKS = 2
 
