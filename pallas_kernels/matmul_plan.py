@@ -98,8 +98,8 @@ MIN_CHUNK = 1024
 # sixteen-column tiles, so in-program chunks leave most SMs idle, and the split
 # at least halves each program's contraction. On the H100 the split ran
 # 1.14-2.2x faster than in-program chunks at 38 of 40 such GEMMs of 65-256 rows,
-# lost at 7 of 8 weights at 514 rows, and lost or tied over 1.1-1.5 chunks
-# (benchmarks/results/h100.md, forty-first section).
+# lost at 7 of 8 weights at 514 rows, and over 1.1-1.5 chunks ran 0.75-1.16x as
+# fast as in-program chunks (benchmarks/results/h100.md, forty-first section).
 SPLIT_CHUNK_ROWS = 256
 SPLIT_MIN_CHUNKS = 2
 
