@@ -8,7 +8,11 @@ Triton ladder's candidates for each M (those listed for the largest key <= M) ov
 the ``--kn`` weights (default: the model weights of HOPPER_KN); ``--hopper-m`` sweeps only
 the Hopper kernel's strip configs (forward, dA, dB) at those M;
 ``--row-tiles-m`` its forward/dA tiles against the plan's pick;
-``--at-b`` the Triton dB kernel's tiles.
+``--at-b`` the Triton dB kernel's tiles;
+``--split-m`` chunked GEMMs with their chunks inside each program and on programs of
+their own (``matmul_plan.plan``'s ``split_chunks``) over narrow weights (``--kn``,
+default SPLIT_KN): the measurement behind ``matmul_plan.SPLIT_CHUNK_ROWS`` and
+``SPLIT_MIN_CHUNKS``.
 """
 
 from __future__ import annotations
@@ -49,6 +53,10 @@ HOPPER_CANDIDATES = (H(strip_dim=1, strip_width=1), H(strip_dim=1, strip_width=8
                      H(strip_dim=0, strip_width=8), H(strip_dim=1, strip_width=16),
                      H(strip_dim=0, strip_width=4))
 HOPPER_KN = ((4096, 4096), (4096, 12288), (4096, 14336), (14336, 4096), (4096, 32000))
+# Weights whose forward sums fixed chunks (results narrower than 2048 columns): K/V
+# projections, MoE-sized and unaligned ones, and 1.1-1.5 chunks (3000 x 1000, 1152 x 512).
+SPLIT_KN = ((8192, 1024), (4096, 1024), (3584, 512), (5120, 640), (14336, 1536),
+            (7800, 296), (2560, 456), (3000, 1000), (1152, 512))
 
 
 def _hopper_passes(m, k, n):
@@ -189,27 +197,60 @@ def at_b_sweep(m=1024):
             flush=True)
 
 
+def split_sweep(m_values, weights=SPLIT_KN):
+  """Forward of chunked GEMMs at each M: XLA, the chunks inside each program (the
+  plan's in-program kernel and tiles) and on programs of their own (XLA time /
+  kernel time, in-program time / split time, and whether the bits agree)."""
+  name = lambda t: (f"mosaic {t.block_m}x{t.block_cols}" if isinstance(t, hopper.HopperTiles)
+                    else f"triton {t.block_m}x{t.block_n}")
+  print(f"# Chunk split sweep on {bench.device_description()}")
+  print("| pass | M | K | N | chunk | XLA us | in-program | split | in-program / split | bits |\n"
+        + "|---" * 10 + "|")
+  for k, n in weights:
+    bs = [random_normal(i, (k, n), jnp.bfloat16) for i in range(COPIES)]
+    for m in m_values:
+      args = list(zip([random_normal(10 + i, (m, k), jnp.bfloat16) for i in range(COPIES)], bs))
+      plans = [matmul_plan.plan(Layout.NN, m, n, k, dtype=bf16, out_dtype=bf16,
+                                split_chunks=split) for split in (False, True)]
+      fns = [functools.partial(lambda x, y, p: matmul_plan.launch(
+                 p, x[None], y[None], layout=Layout.NN, out_dtype=bf16)[0], p=p)
+             for p in plans]
+      same = np.array_equal(*(np.asarray(fn(*args[0])).view(np.uint16) for fn in fns))
+      xla = bench.time_us(jnp.dot, args)
+      in_us, split_us = (bench.time_us(fn, args) for fn in fns)
+      print(f"| fwd | {m} | {k} | {n} | {plans[0].contraction_chunk} | {xla:.1f} | "
+            f"{name(plans[0].tiles)} {xla / in_us:.2f} | {name(plans[1].tiles)} "
+            f"{xla / split_us:.2f} | {in_us / split_us:.2f} | {'same' if same else 'DIFFER'} |",
+            flush=True)
+
+
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--m", type=int, nargs="+", default=sorted(LADDER_CANDIDATES),
                       help="ladder sweep at these M (M >= 1)")
   parser.add_argument("--kn", type=int, nargs=2, action="append", metavar=("K", "N"),
-                      help="a weight of the ladder sweep (repeatable; default HOPPER_KN)")
+                      help="a weight of the ladder or split sweep (repeatable; default "
+                           "HOPPER_KN or SPLIT_KN)")
   parser.add_argument("--hopper-m", type=int, nargs="+",
                       help="sweep the Hopper kernel's configs at these M instead")
   parser.add_argument("--row-tiles-m", type=int, nargs="+",
                       help="sweep the Hopper kernel's forward/dA tiles at these M instead")
   parser.add_argument("--at-b", action="store_true",
                       help="sweep the Triton dB kernel's tiles at M = 1024 instead")
+  parser.add_argument("--split-m", type=int, nargs="+",
+                      help="time chunks in-program and split at these M instead")
   args = parser.parse_args()
-  if args.hopper_m:
+  weights = [tuple(kn) for kn in args.kn] if args.kn else None
+  if args.split_m:
+    split_sweep(args.split_m, weights or SPLIT_KN)
+  elif args.hopper_m:
     hopper_sweep(args.hopper_m)
   elif args.row_tiles_m:
     row_tile_sweep(args.row_tiles_m)
   elif args.at_b:
     at_b_sweep()
   else:
-    ladder_sweep(args.m, [tuple(kn) for kn in args.kn] if args.kn else HOPPER_KN)
+    ladder_sweep(args.m, weights or HOPPER_KN)
 
 
 if __name__ == "__main__":

@@ -137,7 +137,8 @@ class Plan:
 
 def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_dtype,
          groups: int = 1, backend: str = "pallas", interpret: bool = False,
-         device: Device | None = None, contraction_chunk: int | None = None) -> Plan:
+         device: Device | None = None, contraction_chunk: int | None = None,
+         split_chunks: bool | None = None) -> Plan:
   """The kernel and tiles for ``groups`` GEMMs of a [rows, cols] result over
   ``contraction`` in ``layout``, with ``dtype`` operands and an ``out_dtype``
   result, on ``device`` (default: the first jax device). A pure function of its
@@ -154,6 +155,9 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   (``pallas_kernels.matmul.holds_two_accumulators``); a single problem of
   at most ``SPLIT_CHUNK_ROWS`` rows over at least ``SPLIT_MIN_CHUNKS`` whole
   chunks runs its chunks on programs of their own (``Plan.split_chunks``).
+  ``split_chunks`` (True or False) overrides that rule for a chunked single
+  problem on the "pallas" backend (``benchmarks/tune_matmul.py --split-m``
+  times both); the bits are the same either way.
   """
   dtype, out_dtype = jnp.dtype(dtype), jnp.dtype(out_dtype)
   if backend not in BACKENDS:
@@ -166,17 +170,23 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
     raise ValueError(f"contraction_chunk needs layout NN or NT and a multiple of {BLOCK_K}; "
                      f"got {layout.name}, {contraction_chunk}")
   chunked = contraction_chunk is not None
+  if split_chunks and not (chunked and groups == 1 and backend == "pallas"):
+    raise ValueError(f"split_chunks needs a chunked contraction of one problem on the pallas "
+                     f"backend; got contraction {contraction} in chunks of {contraction_chunk}, "
+                     f"{groups} groups, backend {backend!r}")
   if interpret:
     return Plan(Kernel.PALLAS_TRITON, pallas_triton.INTERPRET_TILES, interpret=True,
-                contraction_chunk=contraction_chunk)
+                contraction_chunk=contraction_chunk, split_chunks=bool(split_chunks))
+  if split_chunks is None:
+    split_chunks = (chunked and groups == 1 and rows <= SPLIT_CHUNK_ROWS
+                    and contraction >= SPLIT_MIN_CHUNKS * contraction_chunk)
   device = device or Device.current()
   num_sms = device.sm_count or pallas_triton.H100_SM_COUNT
   if backend == "triton":
     return Plan(Kernel.JAX_TRITON, triton_tiles(layout, rows, cols, dtype, out_dtype, groups,
                                                 num_sms, chunked=chunked),
                 contraction_chunk=contraction_chunk)
-  if (chunked and groups == 1 and rows <= SPLIT_CHUNK_ROWS
-      and contraction >= SPLIT_MIN_CHUNKS * contraction_chunk):
+  if split_chunks:
     split_tiles = triton_tiles(layout, rows, cols, dtype, jnp.float32,
                                cdiv(contraction, contraction_chunk), num_sms,
                                contraction=contraction_chunk)

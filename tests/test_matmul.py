@@ -396,6 +396,23 @@ def test_plan_runs_chunks_on_every_kernel():
       _plan(layout, 300, 4096, 20000, contraction_chunk=chunk)
 
 
+def test_split_chunks_overrides_the_rule():
+  """plan's split_chunks forces either place for the chunks of one chunked problem
+  (what tune_matmul.py --split-m times), and is refused where no split can run:
+  an unchunked contraction, groups, or the jax-triton backend."""
+  in_program = _plan(Layout.NN, 100, 1024, 4096, split_chunks=False)
+  assert not in_program.split_chunks and in_program.contraction_chunk == 2048
+  assert in_program.tiles.accumulator_registers <= kernels.CHUNK_ACCUMULATOR_REGISTERS
+  assert _plan(Layout.NN, 100, 1024, 4096) == _plan(Layout.NN, 100, 1024, 4096,
+                                                     split_chunks=True)
+  forced = _plan(Layout.NT, 4096, 1024, 4096, split_chunks=True)
+  assert forced.split_chunks and forced.kernel is Kernel.PALLAS_TRITON
+  for options in (dict(cols=4096), dict(groups=2), dict(backend="triton")):
+    cols = options.pop("cols", 1024)
+    with pytest.raises(ValueError, match="split_chunks needs"):
+      _plan(Layout.NN, 100, cols, 4096, split_chunks=True, **options)
+
+
 def test_chunks_on_programs_of_their_own_give_the_in_program_bits():
   """matmul_chunks (each chunk on a program of its own, the float32 partials
   added in order by a second kernel) gives the bits of matmul with the same
