@@ -9,6 +9,9 @@ the ``--kn`` weights (default: the model weights of HOPPER_KN); ``--hopper-m`` s
 the Hopper kernel's strip configs (forward, dA, dB) at those M;
 ``--row-tiles-m`` its forward/dA tiles against the plan's pick;
 ``--at-b`` the Triton dB kernel's tiles;
+``--candidates-m`` the forward's every plan a rule could choose (Mosaic tiles
+at any row count, the Triton ladder, a chunked contraction's split) over the
+``--kn`` weights;
 ``--split-m`` chunked GEMMs with their chunks inside each program and on programs of
 their own (``matmul_plan.plan``'s ``split_chunks``) over narrow weights (``--kn``,
 default SPLIT_KN): the measurement behind ``matmul_plan.SPLIT_CHUNK_ROWS`` and
@@ -28,7 +31,7 @@ from jdet.testing import random_normal
 from pallas_kernels import hopper_matmul as hopper
 from pallas_kernels import matmul as kernels
 from pallas_kernels import matmul_plan
-from pallas_kernels.matmul import Layout
+from pallas_kernels.matmul import BLOCK_K, Layout
 
 bf16 = jnp.dtype(jnp.bfloat16)
 
@@ -55,6 +58,8 @@ HOPPER_CANDIDATES = (H(strip_dim=1, strip_width=1), H(strip_dim=1, strip_width=8
 HOPPER_KN = ((4096, 4096), (4096, 12288), (4096, 14336), (14336, 4096), (4096, 32000))
 # Weights whose forward sums fixed chunks (results narrower than 2048 columns): K/V
 # projections, MoE-sized and unaligned ones, and 1.1-1.5 chunks (3000 x 1000, 1152 x 512).
+# Mosaic GPU tiles a candidate sweep times: those of least estimated time.
+MOSAIC_CANDIDATES = 6
 SPLIT_KN = ((8192, 1024), (4096, 1024), (3584, 512), (5120, 640), (14336, 1536),
             (7800, 296), (2560, 456), (3000, 1000), (1152, 512))
 
@@ -197,12 +202,81 @@ def at_b_sweep(m=1024):
             flush=True)
 
 
+def _plan_name(plan: matmul_plan.Plan) -> str:
+  """A plan's kernel and tile: ``mosaic T96x256 mc2`` (transposed, clusters of 2)."""
+  t = plan.tiles
+  if isinstance(t, hopper.HopperTiles):
+    return (f"mosaic {'T' if t.transposed else ''}{t.block_m}x{t.block_cols}"
+            + (f" mc{t.cluster_size}" if t.multicast else ""))
+  return (f"triton {t.block_m}x{t.block_n} s{t.num_stages}"
+          + (f" k{t.step_k}" if t.step_k != BLOCK_K else "")
+          + (" split" if plan.split_chunks else ""))
+
+
+def _forward_fn(plan: matmul_plan.Plan):
+  return lambda x, y: matmul_plan.launch(plan, x[None], y[None], layout=Layout.NN,
+                                         out_dtype=bf16)[0]
+
+
+def candidate_plans(m, k, n, mosaic_count=MOSAIC_CANDIDATES):
+  """The forward plans a rule could choose at an m x n result over k: the
+  ``mosaic_count`` Mosaic GPU tiles of least estimated time (at any row count:
+  ``hopper_matmul.LADDER_ROWS`` is one of the rules under test), the Triton
+  ladder's tiles of at least min(m, GPU_ONE_ROW_OF_TILES) rows (smaller ones
+  re-read the weight), and a chunked contraction's split; all with the
+  contract's chunks."""
+  pick = matmul_plan.plan(Layout.NN, m, n, k, dtype=bf16, out_dtype=bf16)
+  chunk, chunked = pick.contraction_chunk, pick.contraction_chunk is not None
+  plans = []
+  if hopper.takes(Layout.NN, m, n, k):
+    lhs_aligned, rhs_aligned = hopper.lines_aligned(Layout.NN, m, n, k)
+    estimates = matmul_plan.mosaic_tile_estimates(
+        m, n, matmul_plan.Device.current().sm_count or kernels.H100_SM_COUNT,
+        lhs_aligned=lhs_aligned, rhs_aligned=rhs_aligned, transposed=True, chunked=chunked)
+    for tiles in sorted(estimates, key=estimates.get)[:mosaic_count]:
+      tiles = kernels.fit_stages(matmul_plan.mosaic_strips(tiles, m, n, k), bf16, bf16)
+      plans.append(matmul_plan.Plan(matmul_plan.Kernel.MOSAIC_GPU, tiles,
+                                    contraction_chunk=chunk))
+  plans += [matmul_plan.Plan(matmul_plan.Kernel.PALLAS_TRITON,
+                             kernels.fit_stages(t, bf16, bf16), contraction_chunk=chunk)
+            for t in kernels.GPU_MATMUL_LADDER
+            if t.block_m >= min(m, kernels.GPU_ONE_ROW_OF_TILES)
+            and (not chunked or kernels.holds_two_accumulators(t))]
+  if chunked:
+    plans.append(matmul_plan.plan(Layout.NN, m, n, k, dtype=bf16, out_dtype=bf16,
+                                  split_chunks=True))
+  return pick, [p for p in dict.fromkeys(plans) if p != pick]
+
+
+def candidate_sweep(m_values, weights):
+  """Forward at each M and weight: XLA, the plan's pick, and every plan of
+  :func:`candidate_plans` (XLA time / kernel time; bits against the pick)."""
+  print(f"# Forward candidate sweep on {bench.device_description()}")
+  print("| M | K | N | chunk | XLA us | pick | best | candidates |\n" + "|---" * 8 + "|")
+  for k, n in weights:
+    bs = [random_normal(i, (k, n), jnp.bfloat16) for i in range(COPIES)]
+    for m in m_values:
+      args = list(zip([random_normal(10 + i, (m, k), jnp.bfloat16) for i in range(COPIES)], bs))
+      xla = bench.time_us(jnp.dot, args)
+      pick, others = candidate_plans(m, k, n)
+      reference = np.asarray(_forward_fn(pick)(*args[0])).view(np.uint16)
+      pick_ratio = xla / bench.time_us(_forward_fn(pick), args)
+      cells = []
+      for plan in others:
+        same = np.array_equal(np.asarray(_forward_fn(plan)(*args[0])).view(np.uint16),
+                              reference)
+        cells.append((xla / bench.time_us(_forward_fn(plan), args), plan, same))
+      best = max(cells, key=lambda c: c[0], default=(pick_ratio, pick, True))
+      print(f"| {m} | {k} | {n} | {pick.contraction_chunk} | {xla:.1f} | "
+            f"{_plan_name(pick)} {pick_ratio:.2f} | {_plan_name(best[1])} {best[0]:.2f} | "
+            + ", ".join(f"{_plan_name(p)} {r:.2f}{'' if same else ' BITS DIFFER'}"
+                        for r, p, same in cells) + " |", flush=True)
+
+
 def split_sweep(m_values, weights=SPLIT_KN):
   """Forward of chunked GEMMs at each M: XLA, the chunks inside each program (the
   plan's in-program kernel and tiles) and on programs of their own (XLA time /
   kernel time, in-program time / split time, and whether the bits agree)."""
-  name = lambda t: (f"mosaic {t.block_m}x{t.block_cols}" if isinstance(t, hopper.HopperTiles)
-                    else f"triton {t.block_m}x{t.block_n}")
   print(f"# Chunk split sweep on {bench.device_description()}")
   print("| pass | M | K | N | chunk | XLA us | in-program | split | in-program / split | bits |\n"
         + "|---" * 10 + "|")
@@ -212,14 +286,12 @@ def split_sweep(m_values, weights=SPLIT_KN):
       args = list(zip([random_normal(10 + i, (m, k), jnp.bfloat16) for i in range(COPIES)], bs))
       plans = [matmul_plan.plan(Layout.NN, m, n, k, dtype=bf16, out_dtype=bf16,
                                 split_chunks=split) for split in (False, True)]
-      fns = [functools.partial(lambda x, y, p: matmul_plan.launch(
-                 p, x[None], y[None], layout=Layout.NN, out_dtype=bf16)[0], p=p)
-             for p in plans]
+      fns = [_forward_fn(p) for p in plans]
       same = np.array_equal(*(np.asarray(fn(*args[0])).view(np.uint16) for fn in fns))
       xla = bench.time_us(jnp.dot, args)
       in_us, split_us = (bench.time_us(fn, args) for fn in fns)
       print(f"| fwd | {m} | {k} | {n} | {plans[0].contraction_chunk} | {xla:.1f} | "
-            f"{name(plans[0].tiles)} {xla / in_us:.2f} | {name(plans[1].tiles)} "
+            f"{_plan_name(plans[0])} {xla / in_us:.2f} | {_plan_name(plans[1])} "
             f"{xla / split_us:.2f} | {in_us / split_us:.2f} | {'same' if same else 'DIFFER'} |",
             flush=True)
 
@@ -239,9 +311,16 @@ def main():
                       help="sweep the Triton dB kernel's tiles at M = 1024 instead")
   parser.add_argument("--split-m", type=int, nargs="+",
                       help="time chunks in-program and split at these M instead")
+  parser.add_argument("--candidates-m", type=int, nargs="+",
+                      help="time every plan a rule could choose for the forward at these M "
+                           "over the --kn weights instead")
   args = parser.parse_args()
   weights = [tuple(kn) for kn in args.kn] if args.kn else None
-  if args.split_m:
+  if args.candidates_m:
+    if not weights:
+      parser.error("--candidates-m needs at least one --kn K N")
+    candidate_sweep(args.candidates_m, weights)
+  elif args.split_m:
     split_sweep(args.split_m, weights or SPLIT_KN)
   elif args.hopper_m:
     hopper_sweep(args.hopper_m)

@@ -350,18 +350,28 @@ def mosaic_row_tiles(rows: int, cols: int, num_sms: int, *, lhs_aligned: bool = 
   the largest tile: fewer tiles fill and drain their pipelines fewer times and
   read fewer operand lines per FLOP (200 x 256 over 120 x 256 on 3000 rows of
   a 128,256-column LM head was 8% faster), then to the earlier candidate."""
-  def estimated_time(tiles):
-    waves = cdiv(tiles.tile_count(rows, cols), tiles.concurrent_ctas(num_sms))
-    return waves * tiles.block_m * tiles.block_cols / tiles.rate(lhs_aligned, rhs_aligned)
-
-  estimates = {t: estimated_time(t)
-               for t in mosaic_tile_candidates(rhs_aligned, transposed, lhs_aligned, chunked)
-               if t.fits(rows, cols)}
+  estimates = mosaic_tile_estimates(rows, cols, num_sms, lhs_aligned=lhs_aligned,
+                                    rhs_aligned=rhs_aligned, transposed=transposed,
+                                    chunked=chunked)
   if not estimates:
     return None
   least = min(estimates.values())
   tied = [t for t, time in estimates.items() if time <= least * (1 + TIED_ESTIMATES)]
   return min(tied, key=lambda t: (t.cluster_size, -t.block_m * t.block_cols))
+
+
+def mosaic_tile_estimates(rows: int, cols: int, num_sms: int, *, lhs_aligned: bool = True,
+                          rhs_aligned: bool = True, transposed: bool = False,
+                          chunked: bool = False) -> dict[mosaic.HopperTiles, float]:
+  """Each tile of :func:`mosaic_tile_candidates` that fits a rows x cols result,
+  with its estimated time (:func:`mosaic_row_tiles`, which takes the least)."""
+  def estimated_time(tiles):
+    waves = cdiv(tiles.tile_count(rows, cols), tiles.concurrent_ctas(num_sms))
+    return waves * tiles.block_m * tiles.block_cols / tiles.rate(lhs_aligned, rhs_aligned)
+
+  return {t: estimated_time(t)
+          for t in mosaic_tile_candidates(rhs_aligned, transposed, lhs_aligned, chunked)
+          if t.fits(rows, cols)}
 
 
 def launch(plan_: Plan, lhs, rhs, *, layout: Layout, out_dtype, precision=None):
