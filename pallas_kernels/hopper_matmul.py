@@ -249,9 +249,13 @@ TRANSPOSED_MULTICAST_LINE_BOUND = 1 / 58
 # beat 8 at each of four shapes.
 SHORT_CONTRACTION = 512
 COLUMN_STRIP_WIDTH = 4
-# Up to this many rows the forward and dA run on the Triton ladder, faster at
-# M = 128 in 8 of the 10 benchmark GEMMs (notes/h100_notebook.md).
-LADDER_ROWS = 128
+# Up to this many rows (one row of the ladder's 64-row tiles) the forward and dA
+# run on the Triton ladder. Above, the Mosaic kernel streams long contractions
+# faster: on an H200 at 100 and 128 rows its pick beat the ladder's at 10 of 18
+# GEMMs by 5-60% (13824 x 5120 at 100 rows 0.63x -> 1.01x of cuBLAS) and lost
+# 1-11% at 8, the two smallest weights among them; geometric mean 1.00x -> 1.09x
+# (benchmarks/results/h100.md, forty-second section).
+LADDER_ROWS = 64
 
 
 def _block_ring(block, dtype, slots: int, swizzle: int, *, tiled: bool):

@@ -62,7 +62,7 @@ def _token_logprobs(rows):
 
 def _matmul(rows, dtype=jnp.float32):
   """Float32 by default: the Triton kernels on any GPU at any row count (an H100 runs
-  16-bit GEMMs of more than 128 rows on its Mosaic GPU kernel)."""
+  16-bit GEMMs of more than 64 rows on its Mosaic GPU kernel)."""
   a = jax.ShapeDtypeStruct((rows, 96), dtype)
   b = jax.ShapeDtypeStruct((96, 80), dtype)
   return jax.grad(_loss(lambda a, b: jdet.matmul(a, b, interpret=False))), (a, b)

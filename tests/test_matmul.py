@@ -511,7 +511,7 @@ def test_plan_triton_ladder_picks():
   waves of wide ones on wide results, and deep pipelines for one-wave grids. A
   grouped GEMM counts every group's programs (not yet timed on the GPU)."""
   def pick(rows, cols, layout=Layout.NN, groups=1):
-    tiles = _plan(layout, rows, cols, 2048, groups=groups).tiles
+    tiles = matmul_plan.triton_tiles(layout, rows, cols, bf16, bf16, groups, contraction=2048)
     return tiles.block_m, tiles.block_n, tiles.num_warps, tiles.num_stages
 
   assert pick(16, 1536) == pick(1, 2050) == (16, 16, 2, 10)    # 96 / 129 programs
