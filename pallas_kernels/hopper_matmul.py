@@ -254,7 +254,8 @@ COLUMN_STRIP_WIDTH = 4
 # faster: on an H200 at 100 and 128 rows its pick beat the ladder's at 10 of 18
 # GEMMs by 5-60% (13824 x 5120 at 100 rows 0.63x -> 1.01x of cuBLAS) and lost
 # 1-11% at 8, the two smallest weights among them; geometric mean 1.00x -> 1.09x
-# (benchmarks/results/h100.md, forty-second section).
+# (benchmarks/results/h100.md, forty-second section). The plan keeps the ladder
+# above this where its tiles stream the weight once (matmul_plan.LADDER_WAVE_FILL).
 LADDER_ROWS = 64
 
 

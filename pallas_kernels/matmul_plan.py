@@ -9,7 +9,8 @@ choose by any size, the token count included. It chooses speed, never bits:
 
 * ``Kernel.MOSAIC_GPU`` (:mod:`pallas_kernels.hopper_matmul`): TMA + wgmma on a
   persistent grid. An H100, 16-bit operands, one problem (no groups), more than
-  ``hopper_matmul.LADDER_ROWS`` rows for the forward and dA, a result no
+  ``hopper_matmul.LADDER_ROWS`` rows for the forward and dA (but where the
+  ladder streams the weight once: :func:`ladder_streams_weight_once`), a result no
   smaller than a program tile, and 16-byte row pitches (``hopper_matmul.takes``:
   the minor dimension of each operand and of the result a multiple of 8). It
   copies no operand, whatever the token count.
@@ -102,6 +103,15 @@ MIN_CHUNK = 1024
 # fast as in-program chunks (benchmarks/results/h100.md, forty-first section).
 SPLIT_CHUNK_ROWS = 256
 SPLIT_MIN_CHUNKS = 2
+# Above hopper_matmul.LADDER_ROWS rows the forward and dA stay on the Triton ladder
+# where its tiles hold every row and fill their waves at least this much
+# (ladder_streams_weight_once). On an H200 at 100 and 128 rows such picks (128-row
+# tiles filling 82-95% of their waves: the LM heads, 4096 x 28672, 8192 x 57344,
+# 5120 x 13824, 4096 x 14336) ran 0.97-1.30x of cuBLAS, the Mosaic kernel's 64-row
+# tiles 0.93-1.24x; at 56-61% (3584 x 37888, 8192 x 10240) the ladder ran
+# 0.67-0.85x, the Mosaic kernel 0.87-1.08x (benchmarks/results/h100.md,
+# forty-second section; fitted on those GEMMs).
+LADDER_WAVE_FILL = 0.75
 
 
 def fixed_contraction_chunk(layout: Layout, cols: int, contraction: int) -> int | None:
@@ -192,14 +202,26 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
                                contraction=contraction_chunk)
     return Plan(Kernel.PALLAS_TRITON, split_tiles, contraction_chunk=contraction_chunk,
                 split_chunks=True)
+  ladder = triton_tiles(layout, rows, cols, dtype, out_dtype, groups, num_sms,
+                        contraction=contraction, chunked=chunked)
   mosaic_tiles = _mosaic_tiles(layout, rows, cols, contraction, dtype, out_dtype, groups,
                                device, chunked=chunked)
-  if mosaic_tiles:
+  if mosaic_tiles and not (layout is not Layout.TN
+                           and ladder_streams_weight_once(ladder, rows, cols, num_sms)):
     return Plan(Kernel.MOSAIC_GPU, mosaic_tiles, contraction_chunk=contraction_chunk)
-  return Plan(Kernel.PALLAS_TRITON, triton_tiles(layout, rows, cols, dtype, out_dtype, groups,
-                                                 num_sms, contraction=contraction,
-                                                 chunked=chunked),
-              contraction_chunk=contraction_chunk)
+  return Plan(Kernel.PALLAS_TRITON, ladder, contraction_chunk=contraction_chunk)
+
+
+def ladder_streams_weight_once(tiles: MatmulTiles, rows: int, cols: int, num_sms: int) -> bool:
+  """Whether the Triton ladder's ``tiles`` for a single forward or dA hold all
+  ``rows`` in one row of tiles, so that they stream the weight once, on a grid
+  whose waves of ``num_sms`` programs are at least ``LADDER_WAVE_FILL`` full.
+  There the plan keeps the ladder where the Mosaic GPU kernel would run: at
+  65-127 rows every Mosaic tile that fits is shorter than the rows, so its tiles
+  read the weight twice."""
+  programs = cdiv(rows, tiles.block_m) * cdiv(cols, tiles.block_n)
+  return (tiles.block_m >= rows
+          and programs >= LADDER_WAVE_FILL * cdiv(programs, num_sms) * num_sms)
 
 
 def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups: int = 1,

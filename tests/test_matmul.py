@@ -465,8 +465,8 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
   rows (but a chunked contraction whose chunks run on programs of their own),
   dB whatever the token count."""
   for layout in Layout:
-    for rows in (1, 64, 128, 129, 192, 300, 777, 1000, 1001, 4096):
-      for cols in (64, 128, 192, 320, 1000, 1004, 1024, 4096, 13824):
+    for rows in (1, 64, 65, 100, 128, 129, 192, 300, 777, 1000, 1001, 4096):
+      for cols in (64, 128, 192, 320, 1000, 1004, 1024, 4096, 13824, 28672):
         for contraction in (100, 777, 3000, 4096):
           chosen = _plan(layout, rows, cols, contraction)
           if layout is Layout.TN:
@@ -475,14 +475,40 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
             assert _in_row_strips(chosen) == _in_row_strips(_plan(layout, rows, cols, 1)), (
                 "dB's tile sees the token count (only its strip order may)")
           else:
+            ladder = matmul_plan.triton_tiles(layout, rows, cols, bf16, bf16,
+                                              contraction=contraction,
+                                              chunked=chosen.contraction_chunk is not None)
             mosaic_fits = (rows > hopper.LADDER_ROWS and cols % 8 == 0 and contraction % 8 == 0
-                           and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
+                           and any(t.fits(rows, cols) for t in hopper.ROW_TILES)
+                           and not matmul_plan.ladder_streams_weight_once(ladder, rows, cols,
+                                                                          132))
           assert (chosen.kernel is Kernel.MOSAIC_GPU) == (mosaic_fits and not
                                                           chosen.split_chunks), (
               layout, rows, cols, contraction, chosen)
           if chosen.kernel is Kernel.MOSAIC_GPU:
             assert chosen.tiles.fits(rows, cols), (layout, rows, cols, chosen)
           assert kernels.fit_stages(chosen.tiles, bf16, bf16) == chosen.tiles
+
+
+def test_plan_keeps_the_ladder_where_it_streams_the_weight_once():
+  """From 65 rows the forward and dA run on the Mosaic GPU kernel, but where the
+  ladder holds every row in one row of tiles that fill at least LADDER_WAVE_FILL
+  of their waves (its 128-row tiles on wide weights); the picks of the H200
+  sweep (benchmarks/results/h100.md, forty-second section)."""
+  kernel = lambda rows, k, n, layout=Layout.NN: _plan(
+      layout, rows, *((n, k) if layout is Layout.NN else (k, n))).kernel
+  for rows in (100, 128):
+    for k, n in ((4096, 28672), (4096, 128256), (8192, 57344), (5120, 13824), (4096, 14336)):
+      assert kernel(rows, k, n) is Kernel.PALLAS_TRITON, (rows, k, n)  # 82-95% of waves
+    for k, n in ((3584, 37888), (8192, 10240)):
+      assert kernel(rows, k, n) is Kernel.MOSAIC_GPU, (rows, k, n)     # 56-61%
+  for k, n in ((4096, 4096), (14336, 4096), (13824, 5120), (4096, 6144), (768, 2048)):
+    assert kernel(100, k, n) is Kernel.MOSAIC_GPU, (k, n)  # 64-row ladder tiles
+  assert kernel(64, 4096, 4096) is Kernel.PALLAS_TRITON  # LADDER_ROWS
+  assert kernel(129, 4096, 128256) is kernel(65, 768, 2048) is Kernel.MOSAIC_GPU
+  # dA into a wide activation gradient ([100, 28672] over 8192) keeps the ladder too.
+  assert kernel(100, 28672, 8192, Layout.NT) is Kernel.PALLAS_TRITON
+  assert kernel(100, 8192, 28672, Layout.NT) is Kernel.MOSAIC_GPU
 
 
 def test_plan_triton_tile_rule():
