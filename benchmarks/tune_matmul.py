@@ -56,10 +56,10 @@ HOPPER_CANDIDATES = (H(strip_dim=1, strip_width=1), H(strip_dim=1, strip_width=8
                      H(strip_dim=0, strip_width=8), H(strip_dim=1, strip_width=16),
                      H(strip_dim=0, strip_width=4))
 HOPPER_KN = ((4096, 4096), (4096, 12288), (4096, 14336), (14336, 4096), (4096, 32000))
-# Weights whose forward sums fixed chunks (results narrower than 2048 columns): K/V
-# projections, MoE-sized and unaligned ones, and 1.1-1.5 chunks (3000 x 1000, 1152 x 512).
 # Mosaic GPU tiles a candidate sweep times: those of least estimated time.
 MOSAIC_CANDIDATES = 6
+# Weights whose forward sums fixed chunks (results narrower than 2048 columns): K/V
+# projections, MoE-sized and unaligned ones, and 1.1-1.5 chunks (3000 x 1000, 1152 x 512).
 SPLIT_KN = ((8192, 1024), (4096, 1024), (3584, 512), (5120, 640), (14336, 1536),
             (7800, 296), (2560, 456), (3000, 1000), (1152, 512))
 

@@ -462,8 +462,8 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
   """The Mosaic GPU kernel runs 16-bit GEMMs of one problem with a result no
   smaller than one of its tiles and 16-byte row pitches (every operand's and the
   result's minor dimension a multiple of 8): the forward and dA above LADDER_ROWS
-  rows (but a chunked contraction whose chunks run on programs of their own),
-  dB whatever the token count."""
+  rows (but a chunked contraction whose chunks run on programs of their own, and
+  where the ladder streams the weight once), dB whatever the token count."""
   for layout in Layout:
     for rows in (1, 64, 65, 100, 128, 129, 192, 300, 777, 1000, 1001, 4096):
       for cols in (64, 128, 192, 320, 1000, 1004, 1024, 4096, 13824, 28672):
