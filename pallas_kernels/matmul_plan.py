@@ -205,11 +205,15 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   ladder = triton_tiles(layout, rows, cols, dtype, out_dtype, groups, num_sms,
                         contraction=contraction, chunked=chunked)
   mosaic_tiles = _mosaic_tiles(layout, rows, cols, contraction, dtype, out_dtype, groups,
-                               device, chunked=chunked)
-  if mosaic_tiles and not (layout is not Layout.TN
-                           and ladder_streams_weight_once(ladder, rows, cols, num_sms)):
+                               device, num_sms, ladder, chunked=chunked)
+  if mosaic_tiles:
     return Plan(Kernel.MOSAIC_GPU, mosaic_tiles, contraction_chunk=contraction_chunk)
   return Plan(Kernel.PALLAS_TRITON, ladder, contraction_chunk=contraction_chunk)
+
+
+def ladder_programs(tiles: MatmulTiles, rows: int, cols: int, groups: int = 1) -> int:
+  """Programs of a Triton ladder grid: ``groups`` [rows, cols] results in ``tiles``."""
+  return groups * cdiv(rows, tiles.block_m) * cdiv(cols, tiles.block_n)
 
 
 def ladder_streams_weight_once(tiles: MatmulTiles, rows: int, cols: int, num_sms: int) -> bool:
@@ -219,7 +223,7 @@ def ladder_streams_weight_once(tiles: MatmulTiles, rows: int, cols: int, num_sms
   There the plan keeps the ladder where the Mosaic GPU kernel would run: at
   65-127 rows every Mosaic tile that fits is shorter than the rows, so its tiles
   read the weight twice."""
-  programs = cdiv(rows, tiles.block_m) * cdiv(cols, tiles.block_n)
+  programs = ladder_programs(tiles, rows, cols)
   return (tiles.block_m >= rows
           and programs >= LADDER_WAVE_FILL * cdiv(programs, num_sms) * num_sms)
 
@@ -259,8 +263,7 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
     candidates = tuple(t for t in candidates if t.block_m == block_m)
 
   def waves(tiles):
-    programs = groups * cdiv(rows, tiles.block_m) * cdiv(cols, tiles.block_n)
-    return cdiv(programs, num_sms)
+    return cdiv(ladder_programs(tiles, rows, cols, groups), num_sms)
 
   def estimated_time(tiles):
     return waves(tiles) * (tiles.block_m + tiles.block_n + pallas_triton.GPU_PROGRAM_OVERHEAD)
@@ -288,17 +291,20 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
 
 
 def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype, out_dtype,
-                  groups: int, device: Device, *, chunked: bool = False
-                  ) -> mosaic.HopperTiles | None:
+                  groups: int, device: Device, num_sms: int, ladder: MatmulTiles, *,
+                  chunked: bool = False) -> mosaic.HopperTiles | None:
   """The Mosaic GPU kernel's tiles, or None where it does not run (see the module
   docstring): sizes it takes (``hopper_matmul.takes``) and a program tile that
-  fits the result (``HopperTiles.fits``); ``chunked``: see :func:`triton_tiles`."""
+  fits the result (``HopperTiles.fits``); the forward and dA above LADDER_ROWS
+  rows but where the ``ladder``'s tiles stream the weight once
+  (:func:`ladder_streams_weight_once`); ``chunked``: see :func:`triton_tiles`."""
   if (not device.is_hopper or dtype not in mosaic.DTYPES or groups != 1
       or not mosaic.takes(layout, rows, cols, contraction)):
     return None
-  if layout is Layout.TN or rows > mosaic.LADDER_ROWS:
+  if layout is Layout.TN or (rows > mosaic.LADDER_ROWS
+                             and not ladder_streams_weight_once(ladder, rows, cols, num_sms)):
     lhs_aligned, rhs_aligned = mosaic.lines_aligned(layout, rows, cols, contraction)
-    tiles = mosaic_row_tiles(rows, cols, device.sm_count, lhs_aligned=lhs_aligned,
+    tiles = mosaic_row_tiles(rows, cols, num_sms, lhs_aligned=lhs_aligned,
                              rhs_aligned=rhs_aligned,
                              transposed=mosaic.transposed_takes(layout, out_dtype),
                              chunked=chunked)
