@@ -163,6 +163,10 @@ class HopperTiles:
       line_bound = LINE_BOUND
     return min(self.throughput, line_bound * flop_per_line)
 
+  def waves(self, rows: int, cols: int, num_sms: int) -> int:
+    """Waves of this tile's grid over a rows x cols result on ``num_sms`` SMs."""
+    return cdiv(self.tile_count(rows, cols), self.concurrent_ctas(num_sms))
+
   def tile_count(self, rows: int, cols: int) -> int:
     """CTA tiles covering a rows x cols result, a repeated odd last row (column)
     block of a ``multicast`` (``multicast_lhs``) grid included."""
@@ -255,7 +259,7 @@ COLUMN_STRIP_WIDTH = 4
 # GEMMs by 5-60% (13824 x 5120 at 100 rows 0.63x -> 1.01x of cuBLAS) and lost
 # 1-11% at 8, the two smallest weights among them; geometric mean 1.00x -> 1.09x
 # (benchmarks/results/h100.md, forty-second section). The plan keeps the ladder
-# above this where its tiles stream the weight once (matmul_plan.LADDER_WAVE_FILL).
+# above this where it streams the weight once (matmul_plan.ladder_keeps).
 LADDER_ROWS = 64
 
 

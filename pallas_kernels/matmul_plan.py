@@ -10,7 +10,7 @@ choose by any size, the token count included. It chooses speed, never bits:
 * ``Kernel.MOSAIC_GPU`` (:mod:`pallas_kernels.hopper_matmul`): TMA + wgmma on a
   persistent grid. An H100, 16-bit operands, one problem (no groups), more than
   ``hopper_matmul.LADDER_ROWS`` rows for the forward and dA (but where the
-  ladder streams the weight once: :func:`ladder_streams_weight_once`), a result no
+  plan keeps the ladder: :func:`ladder_keeps`), a result no
   smaller than a program tile, and 16-byte row pitches (``hopper_matmul.takes``:
   the minor dimension of each operand and of the result a multiple of 8). It
   copies no operand, whatever the token count.
@@ -104,14 +104,17 @@ MIN_CHUNK = 1024
 SPLIT_CHUNK_ROWS = 256
 SPLIT_MIN_CHUNKS = 2
 # Above hopper_matmul.LADDER_ROWS rows the forward and dA stay on the Triton ladder
-# where its tiles hold every row and fill their waves at least this much
-# (ladder_streams_weight_once). On an H200 at 100 and 128 rows such picks (128-row
-# tiles filling 82-95% of their waves: the LM heads, 4096 x 28672, 8192 x 57344,
-# 5120 x 13824, 4096 x 14336) ran 0.97-1.30x of cuBLAS, the Mosaic kernel's 64-row
-# tiles 0.93-1.24x; at 56-61% (3584 x 37888, 8192 x 10240) the ladder ran
-# 0.67-0.85x, the Mosaic kernel 0.87-1.08x (benchmarks/results/h100.md,
-# forty-second section; fitted on those GEMMs).
+# where its tiles stream the weight once and the Mosaic kernel's pick reads it
+# twice, over a contraction of at least LADDER_MIN_CONTRACTION, on waves at least
+# LADDER_WAVE_FILL full and at least as full as the pick's (ladder_keeps). On an
+# H200 the ladder lost 4-14% where the pick filled more of its waves, and up to
+# 10% over contractions of 1024-1280 (benchmarks/results/h100.md, forty-third
+# section). Fitted on 50 GEMMs at 65-128 rows (Llama-3 weights and two random
+# draws); on 18 drawn afterwards it ran 0.6% slower in geometric mean than the
+# faster kernel of each, the Mosaic kernel everywhere 2.5%, a threshold of 3/4
+# alone (the rule before) 1.8%.
 LADDER_WAVE_FILL = 0.75
+LADDER_MIN_CONTRACTION = 1536
 
 
 def fixed_contraction_chunk(layout: Layout, cols: int, contraction: int) -> int | None:
@@ -216,16 +219,27 @@ def ladder_programs(tiles: MatmulTiles, rows: int, cols: int, groups: int = 1) -
   return groups * cdiv(rows, tiles.block_m) * cdiv(cols, tiles.block_n)
 
 
-def ladder_streams_weight_once(tiles: MatmulTiles, rows: int, cols: int, num_sms: int) -> bool:
-  """Whether the Triton ladder's ``tiles`` for a single forward or dA hold all
-  ``rows`` in one row of tiles, so that they stream the weight once, on a grid
-  whose waves of ``num_sms`` programs are at least ``LADDER_WAVE_FILL`` full.
-  There the plan keeps the ladder where the Mosaic GPU kernel would run: at
-  65-127 rows every Mosaic tile that fits is shorter than the rows, so its tiles
-  read the weight twice."""
-  programs = ladder_programs(tiles, rows, cols)
-  return (tiles.block_m >= rows
-          and programs >= LADDER_WAVE_FILL * cdiv(programs, num_sms) * num_sms)
+def ladder_keeps(ladder: MatmulTiles, mosaic_tiles: mosaic.HopperTiles, rows: int,
+                 cols: int, contraction: int, num_sms: int) -> bool:
+  """Whether a single forward or dA of a [rows, cols] result over ``contraction``
+  above ``hopper_matmul.LADDER_ROWS`` rows stays on the Triton ladder's tiles
+  ``ladder`` rather than the Mosaic GPU kernel's pick ``mosaic_tiles``, on a GPU
+  of ``num_sms`` SMs: where the ladder's tiles hold every row in one row of
+  tiles, so that they stream the weight once, and the pick's are shorter than
+  the rows and read it twice; the contraction is at least
+  ``LADDER_MIN_CONTRACTION`` (over shorter ones the programs' fixed costs
+  outweigh the second read); and the ladder's waves are at least
+  ``LADDER_WAVE_FILL`` full and at least as full as the pick's."""
+  if ladder.block_m < rows or mosaic_tiles.block_m >= rows:
+    return False
+  if contraction < LADDER_MIN_CONTRACTION:
+    return False
+  programs = ladder_programs(ladder, rows, cols)
+  ladder_slots = cdiv(programs, num_sms) * num_sms
+  mosaic_slots = (mosaic_tiles.waves(rows, cols, num_sms)
+                  * mosaic_tiles.concurrent_ctas(num_sms))
+  return (programs >= LADDER_WAVE_FILL * ladder_slots
+          and programs * mosaic_slots >= mosaic_tiles.tile_count(rows, cols) * ladder_slots)
 
 
 def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups: int = 1,
@@ -296,22 +310,24 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
   """The Mosaic GPU kernel's tiles, or None where it does not run (see the module
   docstring): sizes it takes (``hopper_matmul.takes``) and a program tile that
   fits the result (``HopperTiles.fits``); the forward and dA above LADDER_ROWS
-  rows but where the ``ladder``'s tiles stream the weight once
-  (:func:`ladder_streams_weight_once`); ``chunked``: see :func:`triton_tiles`."""
+  rows but where the plan keeps the ``ladder``'s tiles (:func:`ladder_keeps`);
+  ``chunked``: see :func:`triton_tiles`."""
   if (not device.is_hopper or dtype not in mosaic.DTYPES or groups != 1
       or not mosaic.takes(layout, rows, cols, contraction)):
     return None
-  if layout is Layout.TN or (rows > mosaic.LADDER_ROWS
-                             and not ladder_streams_weight_once(ladder, rows, cols, num_sms)):
-    lhs_aligned, rhs_aligned = mosaic.lines_aligned(layout, rows, cols, contraction)
-    tiles = mosaic_row_tiles(rows, cols, num_sms, lhs_aligned=lhs_aligned,
-                             rhs_aligned=rhs_aligned,
-                             transposed=mosaic.transposed_takes(layout, out_dtype),
-                             chunked=chunked)
-  else:
-    tiles = None
-  return tiles and pallas_triton.fit_stages(mosaic_strips(tiles, rows, cols, contraction),
-                                            dtype, out_dtype)
+  rows_are_tokens = layout is not Layout.TN  # the forward and dA
+  if rows_are_tokens and rows <= mosaic.LADDER_ROWS:
+    return None
+  lhs_aligned, rhs_aligned = mosaic.lines_aligned(layout, rows, cols, contraction)
+  tiles = mosaic_row_tiles(rows, cols, num_sms, lhs_aligned=lhs_aligned,
+                           rhs_aligned=rhs_aligned,
+                           transposed=mosaic.transposed_takes(layout, out_dtype),
+                           chunked=chunked)
+  if not tiles or (rows_are_tokens and ladder_keeps(ladder, tiles, rows, cols, contraction,
+                                                    num_sms)):
+    return None
+  return pallas_triton.fit_stages(mosaic_strips(tiles, rows, cols, contraction),
+                                  dtype, out_dtype)
 
 
 def mosaic_strips(tiles: mosaic.HopperTiles, rows: int, cols: int, contraction: int
@@ -394,8 +410,8 @@ def mosaic_tile_estimates(rows: int, cols: int, num_sms: int, *, lhs_aligned: bo
   """Each tile of :func:`mosaic_tile_candidates` that fits a rows x cols result,
   with its estimated time (:func:`mosaic_row_tiles`, which takes the least)."""
   def estimated_time(tiles):
-    waves = cdiv(tiles.tile_count(rows, cols), tiles.concurrent_ctas(num_sms))
-    return waves * tiles.block_m * tiles.block_cols / tiles.rate(lhs_aligned, rhs_aligned)
+    return (tiles.waves(rows, cols, num_sms) * tiles.block_m * tiles.block_cols
+            / tiles.rate(lhs_aligned, rhs_aligned))
 
   return {t: estimated_time(t)
           for t in mosaic_tile_candidates(rhs_aligned, transposed, lhs_aligned, chunked)

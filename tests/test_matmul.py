@@ -463,7 +463,8 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
   smaller than one of its tiles and 16-byte row pitches (every operand's and the
   result's minor dimension a multiple of 8): the forward and dA above LADDER_ROWS
   rows (but a chunked contraction whose chunks run on programs of their own, and
-  where the ladder streams the weight once), dB whatever the token count."""
+  where the plan keeps the ladder: matmul_plan.ladder_keeps), dB whatever the
+  token count."""
   for layout in Layout:
     for rows in (1, 64, 65, 100, 128, 129, 192, 300, 777, 1000, 1001, 4096):
       for cols in (64, 128, 192, 320, 1000, 1004, 1024, 4096, 13824, 28672):
@@ -479,9 +480,15 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
                                               contraction=contraction,
                                               chunked=chosen.contraction_chunk is not None)
             mosaic_fits = (rows > hopper.LADDER_ROWS and cols % 8 == 0 and contraction % 8 == 0
-                           and any(t.fits(rows, cols) for t in hopper.ROW_TILES)
-                           and not matmul_plan.ladder_streams_weight_once(ladder, rows, cols,
-                                                                          132))
+                           and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
+            if mosaic_fits:
+              lhs_aligned, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
+              pick = matmul_plan.mosaic_row_tiles(
+                  rows, cols, 132, lhs_aligned=lhs_aligned, rhs_aligned=rhs_aligned,
+                  transposed=hopper.transposed_takes(layout, bf16),
+                  chunked=chosen.contraction_chunk is not None)
+              mosaic_fits = not matmul_plan.ladder_keeps(ladder, pick, rows, cols, contraction,
+                                                         132)
           assert (chosen.kernel is Kernel.MOSAIC_GPU) == (mosaic_fits and not
                                                           chosen.split_chunks), (
               layout, rows, cols, contraction, chosen)
@@ -492,16 +499,21 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
 
 def test_plan_keeps_the_ladder_where_it_streams_the_weight_once():
   """From 65 rows the forward and dA run on the Mosaic GPU kernel, but where the
-  ladder holds every row in one row of tiles that fill at least LADDER_WAVE_FILL
-  of their waves (its 128-row tiles on wide weights); the picks of the H200
-  sweep (benchmarks/results/h100.md, forty-second section)."""
+  ladder's tiles hold every row and the Mosaic pick's do not, over a contraction
+  of at least LADDER_MIN_CONTRACTION, on waves at least LADDER_WAVE_FILL full and
+  as full as the pick's (matmul_plan.ladder_keeps); GEMMs of the H200 sweeps
+  (benchmarks/results/h100.md, forty-third section)."""
   kernel = lambda rows, k, n, layout=Layout.NN: _plan(
       layout, rows, *((n, k) if layout is Layout.NN else (k, n))).kernel
-  for rows in (100, 128):
-    for k, n in ((4096, 28672), (4096, 128256), (8192, 57344), (5120, 13824), (4096, 14336)):
-      assert kernel(rows, k, n) is Kernel.PALLAS_TRITON, (rows, k, n)  # 82-95% of waves
-    for k, n in ((3584, 37888), (8192, 10240)):
-      assert kernel(rows, k, n) is Kernel.MOSAIC_GPU, (rows, k, n)     # 56-61%
+  for k, n in ((4096, 28672), (4096, 128256), (8192, 57344), (5120, 13824), (4096, 14336),
+               (3072, 26624), (13056, 54272), (9088, 27392)):
+    assert kernel(100, k, n) is Kernel.PALLAS_TRITON, (k, n)  # waves as full as the pick's
+    assert kernel(128, k, n) is Kernel.MOSAIC_GPU, (k, n)     # 128-row Mosaic tiles
+  for k, n in ((3584, 37888), (8192, 10240)):  # 56-61% of the ladder's waves
+    assert kernel(100, k, n) is Kernel.MOSAIC_GPU, (k, n)
+  assert kernel(87, 6784, 101888) is Kernel.MOSAIC_GPU   # waves 75% full, the pick's 86%
+  assert kernel(72, 1024, 115712) is Kernel.MOSAIC_GPU   # a short contraction
+  assert kernel(80, 11776, 80512) is Kernel.MOSAIC_GPU   # an 80-row transposed Mosaic tile
   for k, n in ((4096, 4096), (14336, 4096), (13824, 5120), (4096, 6144), (768, 2048)):
     assert kernel(100, k, n) is Kernel.MOSAIC_GPU, (k, n)  # 64-row ladder tiles
   assert kernel(64, 4096, 4096) is Kernel.PALLAS_TRITON  # LADDER_ROWS
