@@ -512,7 +512,7 @@ def test_plan_keeps_the_ladder_where_it_streams_the_weight_once():
   for k, n in ((3584, 37888), (8192, 10240)):  # 56-61% of the ladder's waves
     assert kernel(100, k, n) is Kernel.MOSAIC_GPU, (k, n)
   assert kernel(87, 6784, 101888) is Kernel.MOSAIC_GPU   # waves 75% full, the pick's 86%
-  assert kernel(72, 1024, 115712) is Kernel.MOSAIC_GPU   # a short contraction
+  assert kernel(110, 1280, 13824) is Kernel.MOSAIC_GPU   # a short contraction
   assert kernel(80, 11776, 80512) is Kernel.MOSAIC_GPU   # an 80-row transposed Mosaic tile
   for k, n in ((4096, 4096), (14336, 4096), (13824, 5120), (4096, 6144), (768, 2048)):
     assert kernel(100, k, n) is Kernel.MOSAIC_GPU, (k, n)  # 64-row ladder tiles
