@@ -230,9 +230,8 @@ def ladder_keeps(ladder: MatmulTiles, mosaic_tiles: mosaic.HopperTiles, rows: in
   ``LADDER_MIN_CONTRACTION`` (over shorter ones the programs' fixed costs
   outweigh the second read); and the ladder's waves are at least
   ``LADDER_WAVE_FILL`` full and at least as full as the pick's."""
-  if ladder.block_m < rows or mosaic_tiles.block_m >= rows:
-    return False
-  if contraction < LADDER_MIN_CONTRACTION:
+  if (ladder.block_m < rows or mosaic_tiles.block_m >= rows
+      or contraction < LADDER_MIN_CONTRACTION):
     return False
   programs = ladder_programs(ladder, rows, cols)
   ladder_slots = cdiv(programs, num_sms) * num_sms
