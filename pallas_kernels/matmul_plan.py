@@ -317,16 +317,26 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
   rows_are_tokens = layout is not Layout.TN  # the forward and dA
   if rows_are_tokens and rows <= mosaic.LADDER_ROWS:
     return None
-  lhs_aligned, rhs_aligned = mosaic.lines_aligned(layout, rows, cols, contraction)
-  tiles = mosaic_row_tiles(rows, cols, num_sms, lhs_aligned=lhs_aligned,
-                           rhs_aligned=rhs_aligned,
-                           transposed=mosaic.transposed_takes(layout, out_dtype),
-                           chunked=chunked)
+  tiles = mosaic_pick(layout, rows, cols, contraction, out_dtype, num_sms, chunked=chunked)
   if not tiles or (rows_are_tokens and ladder_keeps(ladder, tiles, rows, cols, contraction,
                                                     num_sms)):
     return None
   return pallas_triton.fit_stages(mosaic_strips(tiles, rows, cols, contraction),
                                   dtype, out_dtype)
+
+
+def mosaic_pick(layout: Layout, rows: int, cols: int, contraction: int, out_dtype,
+                num_sms: int, *, chunked: bool = False) -> mosaic.HopperTiles | None:
+  """The tile :func:`mosaic_row_tiles` picks for a GEMM of a [rows, cols] result
+  over ``contraction`` in ``layout`` with an ``out_dtype`` result: with the
+  operands' line alignment (``hopper_matmul.lines_aligned``) and the transposed
+  tiles where they run (``hopper_matmul.transposed_takes``); before its strip
+  order and stages."""
+  lhs_aligned, rhs_aligned = mosaic.lines_aligned(layout, rows, cols, contraction)
+  return mosaic_row_tiles(rows, cols, num_sms, lhs_aligned=lhs_aligned,
+                          rhs_aligned=rhs_aligned,
+                          transposed=mosaic.transposed_takes(layout, out_dtype),
+                          chunked=chunked)
 
 
 def mosaic_strips(tiles: mosaic.HopperTiles, rows: int, cols: int, contraction: int

@@ -482,11 +482,8 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
             mosaic_fits = (rows > hopper.LADDER_ROWS and cols % 8 == 0 and contraction % 8 == 0
                            and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
             if mosaic_fits:
-              lhs_aligned, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
-              pick = matmul_plan.mosaic_row_tiles(
-                  rows, cols, 132, lhs_aligned=lhs_aligned, rhs_aligned=rhs_aligned,
-                  transposed=hopper.transposed_takes(layout, bf16),
-                  chunked=chosen.contraction_chunk is not None)
+              pick = matmul_plan.mosaic_pick(layout, rows, cols, contraction, bf16, 132,
+                                             chunked=chosen.contraction_chunk is not None)
               mosaic_fits = not matmul_plan.ladder_keeps(ladder, pick, rows, cols, contraction,
                                                          132)
           assert (chosen.kernel is Kernel.MOSAIC_GPU) == (mosaic_fits and not
