@@ -478,8 +478,21 @@ def matmul_chunks(a, b, *, transpose_b: bool, out_dtype, precision, tiles: Matmu
       interpret=interpret,
       name="jdet_matmul_chunks_t" if transpose_b else "jdet_matmul_chunks",
   )(a[0], b[0])
-  total = counted_call(
-      functools.partial(chunk_total_kernel, **counted),
+  return chunk_total(partials, out_dtype=out_dtype, tiles=tiles, interpret=interpret)[None]
+
+
+def chunk_total(partials, *, out_dtype, tiles: MatmulTiles, interpret: bool = False):
+  """The [M, N] result of a chunked contraction's [chunks, M, N] float32 partial
+  sums (chunk c's sum from zero in ``partials[c]``): :func:`chunk_total_kernel`
+  on ``tiles``' [block_m, block_n] output tiles adds them in chunk order and
+  rounds once to ``out_dtype``. Used by :func:`matmul_chunks` and the Mosaic
+  GPU kernel's split chunks (``pallas_kernels.hopper_matmul.matmul``)."""
+  chunks, m, n = partials.shape
+  bm, bn = tiles.block_m, tiles.block_n
+  row_tiles, num_n = bucketed_grid(cdiv(m, bm)), cdiv(n, bn)
+  coords = functools.partial(tile_coords, num_m=row_tiles, num_n=num_n, group_m=tiles.group_m)
+  return counted_call(
+      functools.partial(chunk_total_kernel, row_tiles=row_tiles, n=n, group_m=tiles.group_m),
       count=m,
       grid=(row_tiles * num_n,),
       in_specs=[pl.BlockSpec((None, bm, bn), lambda t, c=c: (c, *coords(t)))
@@ -490,7 +503,6 @@ def matmul_chunks(a, b, *, transpose_b: bool, out_dtype, precision, tiles: Matmu
       interpret=interpret,
       name="jdet_matmul_chunk_total",
   )(*[partials] * chunks)
-  return total[None]
 
 
 @launcher
