@@ -45,7 +45,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import cdiv, mosaic_gpu
 from pallas_kernels.matmul import (BLOCK_K, CHUNK_ACCUMULATOR_REGISTERS, H100_SM_COUNT, Layout,
-                                   fit_stages, holds_two_accumulators)
+                                   MatmulTiles, chunk_total, fit_stages,
+                                   holds_two_accumulators)
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 EPILOGUE_TILE = 64  # the output leaves in TMA stores of 64 rows
@@ -163,9 +164,10 @@ class HopperTiles:
       line_bound = LINE_BOUND
     return min(self.throughput, line_bound * flop_per_line)
 
-  def waves(self, rows: int, cols: int, num_sms: int) -> int:
-    """Waves of this tile's grid over a rows x cols result on ``num_sms`` SMs."""
-    return cdiv(self.tile_count(rows, cols), self.concurrent_ctas(num_sms))
+  def waves(self, rows: int, cols: int, num_sms: int, units: int = 1) -> int:
+    """Waves of this tile's grid over a rows x cols result on ``num_sms`` SMs,
+    ``units`` work units a tile (split chunks: one a chunk)."""
+    return cdiv(self.tile_count(rows, cols) * units, self.concurrent_ctas(num_sms))
 
   def tile_count(self, rows: int, cols: int) -> int:
     """CTA tiles covering a rows x cols result, a repeated odd last row (column)
@@ -253,6 +255,10 @@ TRANSPOSED_MULTICAST_LINE_BOUND = 1 / 58
 # beat 8 at each of four shapes.
 SHORT_CONTRACTION = 512
 COLUMN_STRIP_WIDTH = 4
+# The tiles of the split chunks' sum (pallas_kernels.matmul.chunk_total): small,
+# so that the few-row results the split serves spread it over many programs (one
+# warp, 32 float32 partials a thread per chunk).
+CHUNK_TOTAL_TILES = MatmulTiles(16, 64, 1, 1)
 # Up to this many rows (one row of the ladder's 64-row tiles) the forward and dA
 # run on the Triton ladder. Above, the Mosaic kernel streams long contractions
 # faster: on an H200 at 100 and 128 rows its pick beat the ladder's at 10 of 18
@@ -309,13 +315,17 @@ def _copy_block(gmem, rows, first_col, copies, barrier, *, multicast: str | None
 
 
 def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles, rows: int,
-            cols: int, k_steps: int, chunk_steps: int | None, programs: int):
-  """Program ``sm`` of ``programs`` takes tiles sm, sm + programs, ...; its producer
-  and consumers count the contraction steps they have passed (``steps_done``)
-  to find each step's slot in the ring of stages. With ``chunk_steps`` the
-  consumers sum each run of that many steps from zero and add the sums in
-  order (``pallas_kernels.matmul.contraction_loop``'s chunks); the producer
-  streams the steps as ever."""
+            cols: int, k_steps: int, chunk_steps: int | None, split_chunks: bool,
+            programs: int):
+  """Program ``sm`` of ``programs`` takes work units sm, sm + programs, ...; its
+  producer and consumers count the contraction steps they have passed
+  (``steps_done``) to find each step's slot in the ring of stages. A unit is a
+  tile over the whole contraction. With ``chunk_steps`` the consumers sum each
+  run of that many steps from zero and add the sums in order
+  (``pallas_kernels.matmul.contraction_loop``'s chunks); the producer streams
+  the steps as ever. With ``split_chunks`` a unit is one chunk of one tile
+  instead (every tile of chunk 0, then of chunk 1, ...), and its float32 sum
+  goes to rows ``chunk * rows`` on of ``out_gmem``, [chunks * rows, cols]."""
   plgpu = mosaic_gpu()
   dtype, out_dtype = lhs_gmem.dtype, out_gmem.dtype
   bm, cta_n = tiles.block_m, tiles.block_cols
@@ -329,6 +339,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   # A cluster's row (column) blocks count as one.
   num_groups_m, num_groups_n = cdiv(num_m, tiles.cluster_rows), cdiv(num_n, tiles.cluster_cols)
   num_tiles = num_groups_m * num_groups_n
+  num_units = num_tiles * (cdiv(k_steps, chunk_steps) if split_chunks else 1)
   acc_m, acc_n = tiles.accumulator_shape
   program = lax.axis_index("sm")
   cta_row = lax.axis_index(CLUSTER) if tiles.multicast else 0
@@ -343,6 +354,16 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
     row_block = jnp.minimum(i * tiles.cluster_rows + cta_row, num_m - 1)
     col_block = jnp.minimum(j * tiles.cluster_cols + cta_col, num_n - 1)
     return jnp.minimum(row_block * bm, rows - bm), jnp.minimum(col_block * cta_n, cols - cta_n)
+
+  def unit_work(unit):
+    """A unit's tile, its first contraction step, its step count and the first
+    row of ``out_gmem`` that its result goes to; no steps past the last unit."""
+    if not split_chunks:
+      return unit, 0, jnp.where(unit < num_units, k_steps, 0), 0
+    chunk, tile = unit // num_tiles, unit % num_tiles
+    first_step = chunk * chunk_steps
+    count = jnp.clip(k_steps - first_step, 0, chunk_steps)
+    return tile, first_step, count, chunk * rows
 
   lhs_block = (BLOCK_K, bm) if lhs_t else (bm, BLOCK_K)
   rhs_block = (cta_n, BLOCK_K) if rhs_t else (BLOCK_K, cta_n)
@@ -419,10 +440,10 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
         return rhs_mma.at[slot, wg_col0 // width + p].transpose((1, 0)), rows_t
 
       def consume(j, steps_done):
-        tile = program + j * programs
+        tile, _, step_count, out_row0 = unit_work(program + j * programs)
         first_row, first_col = tile_slices(tile)
 
-        @pl.when(tile < num_tiles)
+        @pl.when(step_count > 0)
         def _tile():
           zeros = plgpu.layout_cast(jnp.zeros((acc_m, acc_n), jnp.float32),
                                     plgpu.Layout.WGMMA)
@@ -446,8 +467,8 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
 
             return pl.run_state(mainloop)(plgpu.ACC.init(zeros))
 
-          if chunk_steps is None:
-            total = steps_sum(0, k_steps)
+          if chunk_steps is None or split_chunks:
+            total = steps_sum(0, step_count if split_chunks else k_steps)
           else:
             full_chunks, last = divmod(k_steps, chunk_steps)
             total = lax.fori_loop(
@@ -477,12 +498,12 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(
                 out_copies.at[buffer, 0],
-                out_gmem.at[pl.ds(first_row + wg_row0 + mi * epi, epi),
+                out_gmem.at[pl.ds(out_row0 + first_row + wg_row0 + mi * epi, epi),
                             pl.ds(first_col + wg_col0 + ni * epi_cols, epi_cols)])
 
-        return steps_done + jnp.where(tile < num_tiles, k_steps, 0)
+        return steps_done + step_count
 
-      lax.fori_loop(0, cdiv(num_tiles, programs), consume, jnp.int32(0))
+      lax.fori_loop(0, cdiv(num_units, programs), consume, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == 2)
@@ -490,7 +511,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
       plgpu.set_max_registers(40, action="decrease")
 
       def produce(j, steps_done):
-        tile = program + j * programs
+        tile, first_step, step_count, _ = unit_work(program + j * programs)
         first_row, first_col = tile_slices(tile)
         m_slice, n_slice = pl.ds(first_row, bm), pl.ds(first_col, cta_n)
 
@@ -506,9 +527,9 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
                       multicast=CLUSTER if tiles.multicast else None)
           return c + 1
 
-        return lax.fori_loop(0, jnp.where(tile < num_tiles, k_steps, 0), step, steps_done)
+        return lax.fori_loop(first_step, first_step + step_count, step, steps_done)
 
-      steps_done = lax.fori_loop(0, cdiv(num_tiles, programs), produce, jnp.int32(0))
+      steps_done = lax.fori_loop(0, cdiv(num_units, programs), produce, jnp.int32(0))
       if cluster_axes:
         # The other CTAs' consumers arrive on this CTA's barriers: wait for the last
         # slots' arrivals so that none lands after this CTA has exited.
@@ -559,9 +580,9 @@ def lines_aligned(layout: Layout, rows: int, cols: int, contraction: int) -> tup
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "out_dtype", "tiles",
-                                             "contraction_chunk"))
+                                             "contraction_chunk", "split_chunks"))
 def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles,
-           contraction_chunk: int | None = None):
+           contraction_chunk: int | None = None, split_chunks: bool = False):
   """One GEMM in ``layout`` on an sm_90 GPU; returns [rows, cols] in ``out_dtype``.
 
   lhs: [rows, K] (NN, NT) or [K, rows] (TN); rhs: [K, cols] (NN, TN) or
@@ -572,6 +593,12 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles,
   multiple of ``BLOCK_K``; NN and NT, on tiles whose accumulator takes at most
   ``pallas_kernels.matmul.CHUNK_ACCUMULATOR_REGISTERS`` registers): the
   contraction summed in chunks (``pallas_kernels.matmul.contraction_loop``).
+  With ``split_chunks`` (a chunked contraction, tiles that are not transposed)
+  each chunk of each tile is a work unit of its own, which sums it from zero
+  into a float32 partial, and ``pallas_kernels.matmul.chunk_total`` adds the
+  partials in chunk order: the same bits, on up to as many programs as the
+  chunks times the tiles, for results with too few tiles to fill the SMs. The
+  tile may then be any (no second accumulator).
   """
   if lhs.dtype not in DTYPES or rhs.dtype != lhs.dtype:
     raise TypeError(f"operands must share a 16-bit dtype, got {lhs.dtype} and {rhs.dtype}")
@@ -592,26 +619,39 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles,
                      f"{layout.name} and {jnp.dtype(out_dtype)}")
   if contraction_chunk is not None and (
       layout is Layout.TN or contraction_chunk % BLOCK_K
-      or not holds_two_accumulators(tiles)):
-    raise ValueError(f"contraction_chunk needs layout NN or NT, a multiple of {BLOCK_K} and "
-                     f"tiles whose accumulator takes at most {CHUNK_ACCUMULATOR_REGISTERS} "
-                     f"registers; got {layout.name}, {contraction_chunk}, {tiles}")
+      or not (split_chunks or holds_two_accumulators(tiles))):
+    raise ValueError(f"contraction_chunk needs layout NN or NT, a multiple of {BLOCK_K} and, "
+                     f"unless split_chunks, tiles whose accumulator takes at most "
+                     f"{CHUNK_ACCUMULATOR_REGISTERS} registers; got {layout.name}, "
+                     f"{contraction_chunk}, {tiles}")
+  if split_chunks and (contraction_chunk is None or tiles.transposed):
+    raise ValueError(f"split_chunks needs a contraction_chunk and tiles that are not "
+                     f"transposed (the partials are float32); got {contraction_chunk}, {tiles}")
+  k_steps = cdiv(contraction, BLOCK_K)
   chunk_steps = None if contraction_chunk is None else contraction_chunk // BLOCK_K
-  return _launch(lhs, rhs, layout=layout, out_dtype=out_dtype, tiles=tiles, rows=rows,
-                 cols=cols, k_steps=cdiv(contraction, BLOCK_K), chunk_steps=chunk_steps)
+  if not split_chunks:
+    return _launch(lhs, rhs, layout=layout, out_dtype=out_dtype, tiles=tiles, rows=rows,
+                   cols=cols, k_steps=k_steps, chunk_steps=chunk_steps, split_chunks=False)
+  chunks = cdiv(k_steps, chunk_steps)
+  partials = _launch(lhs, rhs, layout=layout, out_dtype=jnp.float32, tiles=tiles, rows=rows,
+                     cols=cols, k_steps=k_steps, chunk_steps=chunk_steps, split_chunks=True)
+  return chunk_total(partials.reshape(chunks, rows, cols), out_dtype=out_dtype,
+                     tiles=CHUNK_TOTAL_TILES)
 
 
 def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles, rows: int, cols: int,
-            k_steps: int, chunk_steps: int | None):
+            k_steps: int, chunk_steps: int | None, split_chunks: bool):
   plgpu = mosaic_gpu()
+  units = cdiv(k_steps, chunk_steps) if split_chunks else 1
   programs = min(tiles.concurrent_ctas(jax.devices()[0].core_count),
-                 tiles.tile_count(rows, cols))
+                 tiles.tile_count(rows, cols) * units)
   programs //= tiles.cluster_size  # grid counts clusters
   kernel = functools.partial(_kernel, layout=layout, tiles=tiles, rows=rows, cols=cols,
-                             k_steps=k_steps, chunk_steps=chunk_steps, programs=programs)
+                             k_steps=k_steps, chunk_steps=chunk_steps,
+                             split_chunks=split_chunks, programs=programs)
   return plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((rows, cols), out_dtype),
+      out_type=jax.ShapeDtypeStruct((units * rows, cols), out_dtype),
       grid=(programs,),
       grid_names=("sm",),
       cluster=(tiles.cluster_rows, tiles.cluster_cols),

@@ -734,7 +734,8 @@ def test_mosaic_kernel_rejects_sizes_it_does_not_take():
 @pytest.mark.skipif(on_gpu(), reason="the GPU tests compile the kernel for real")
 def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
   """Each Mosaic GPU tile, its multicast and 2 x 2 twins and the sampled
-  transposed tiles (forward and dA) lower for an H100 (132 SMs) in each layout, with operand
+  transposed tiles (forward and dA; the others with split chunks too) lower for
+  an H100 (132 SMs) in each layout, with operand
   blocks copied whole (tiled: 64-aligned weight columns, a token count that 8
   divides) and one column tile at a time (1000 weight columns, 301 tokens), and
   a contraction that 64 does not divide."""
@@ -753,6 +754,10 @@ def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
       tiles = kernels.fit_stages(candidate.tiles, bf16, bf16)
       gemm = functools.partial(hopper.matmul, layout=layout, out_dtype=bf16, tiles=tiles)
       jax.jit(gemm).trace(sd(lhs, bf16), sd(rhs, bf16)).lower(lowering_platforms=("cuda",))
+      if layout is not Layout.TN and not tiles.transposed:
+        split = functools.partial(gemm, tiles=kernels.fit_stages(tiles, bf16, jnp.float32),
+                                  contraction_chunk=1024, split_chunks=True)
+        jax.jit(split).trace(sd(lhs, bf16), sd(rhs, bf16)).lower(lowering_platforms=("cuda",))
 
 
 def _gpu_ladder_configs():
