@@ -14,8 +14,10 @@ choose by any size, the token count included. It chooses speed, never bits:
   smaller than a program tile, and 16-byte row pitches (``hopper_matmul.takes``:
   the minor dimension of each operand and of the result a multiple of 8). It
   copies no operand, whatever the token count.
+  It runs chunked contractions too, in each tile's program or split
+  (:func:`mosaic_split_tiles`).
 * ``Kernel.PALLAS_TRITON`` (:mod:`pallas_kernels.matmul`): the Pallas Triton
-  lowering, masked edges, no copies; every other GEMM, every chunked
+  lowering, masked edges, no copies; every other GEMM, every other chunked
   contraction (``plan``'s ``contraction_chunk``), and every GEMM in interpret
   mode (CPU) with one fixed tile.
 * ``Kernel.JAX_TRITON`` (:mod:`pallas_kernels.jax_triton_matmul`): the same
@@ -103,6 +105,15 @@ MIN_CHUNK = 1024
 # fast as in-program chunks (benchmarks/results/h100.md, forty-first section).
 SPLIT_CHUNK_ROWS = 256
 SPLIT_MIN_CHUNKS = 2
+# A split runs on the Mosaic GPU kernel where it takes the sizes and the work
+# units of its pick (one chunk of one tile each: mosaic_split_tiles) fill at
+# least MOSAIC_SPLIT_FILL of the SMs' CTA slots; on the Triton ladder otherwise,
+# whose tiles go down to 16 columns. On an H200 (benchmarks/results/h100.md,
+# forty-fourth section), at 18 narrow GEMMs of 65-256 rows drawn after the rule
+# was written, the Mosaic split ran 1.06-1.84x as fast as the Triton split at the
+# 10 it takes (1.52x in geometric mean), and 0.92-1.28x at the 8 it leaves,
+# whose units filled 15-36% of the SMs.
+MOSAIC_SPLIT_FILL = 0.5
 # Above hopper_matmul.LADDER_ROWS rows the forward and dA stay on the Triton ladder
 # where its tiles stream the weight once and the Mosaic kernel's pick reads it
 # twice, over a contraction of at least LADDER_MIN_CONTRACTION, on waves at least
@@ -139,8 +150,9 @@ class Plan:
   """A kernel and its tiles (:class:`~pallas_kernels.matmul.MatmulTiles` for the
   Triton kernels, :class:`~pallas_kernels.hopper_matmul.HopperTiles` for Mosaic GPU),
   the chunks of a chunked contraction, and whether the chunks run on programs of
-  their own (``split_chunks``, Pallas Triton: ``pallas_kernels.matmul.matmul_chunks``)
-  or one after another in each tile's program."""
+  their own (``split_chunks``, Pallas Triton: ``pallas_kernels.matmul.matmul_chunks``;
+  Mosaic GPU: ``pallas_kernels.hopper_matmul.matmul``'s) or one after another in
+  each tile's program."""
   kernel: Kernel
   tiles: MatmulTiles | mosaic.HopperTiles
   interpret: bool = False
@@ -167,7 +179,9 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   kernel on tiles whose accumulator fits twice
   (``pallas_kernels.matmul.holds_two_accumulators``); a single problem of
   at most ``SPLIT_CHUNK_ROWS`` rows over at least ``SPLIT_MIN_CHUNKS`` whole
-  chunks runs its chunks on programs of their own (``Plan.split_chunks``).
+  chunks runs its chunks on programs of their own (``Plan.split_chunks``), on
+  the Mosaic GPU kernel where :func:`mosaic_split_tiles` gives tiles, else on
+  the Triton ladder's.
   ``split_chunks`` (True or False) overrides that rule for a chunked single
   problem on the "pallas" backend (``benchmarks/tune_matmul.py --split-m``
   times both); the bits are the same either way.
@@ -200,6 +214,11 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
                                                 num_sms, chunked=chunked),
                 contraction_chunk=contraction_chunk)
   if split_chunks:
+    mosaic_split = mosaic_split_tiles(layout, rows, cols, contraction, contraction_chunk,
+                                      dtype, device, num_sms)
+    if mosaic_split:
+      return Plan(Kernel.MOSAIC_GPU, mosaic_split, contraction_chunk=contraction_chunk,
+                  split_chunks=True)
     split_tiles = triton_tiles(layout, rows, cols, dtype, jnp.float32,
                                cdiv(contraction, contraction_chunk), num_sms,
                                contraction=contraction_chunk)
@@ -339,6 +358,30 @@ def mosaic_pick(layout: Layout, rows: int, cols: int, contraction: int, out_dtyp
                           chunked=chunked)
 
 
+def mosaic_split_tiles(layout: Layout, rows: int, cols: int, contraction: int,
+                       contraction_chunk: int, dtype, device: Device, num_sms: int
+                       ) -> mosaic.HopperTiles | None:
+  """The Mosaic GPU kernel's tiles for a chunked contraction whose chunks run on
+  programs of their own (each chunk of each tile a work unit, float32 partials:
+  ``hopper_matmul.matmul``'s ``split_chunks``), or None where the split stays on
+  the Triton ladder: a device, dtype or sizes the kernel does not take (module
+  docstring), no tile that fits, or units of the pick that fill less than
+  ``MOSAIC_SPLIT_FILL`` of the CTA slots. The pick is :func:`mosaic_row_tiles`'s
+  over the units (``units`` = the chunks), among tiles that are not transposed
+  (their epilogue stores 16-bit results only) and whatever their accumulator."""
+  if (not device.is_hopper or dtype not in mosaic.DTYPES
+      or not mosaic.takes(layout, rows, cols, contraction)):
+    return None
+  units = cdiv(contraction, contraction_chunk)
+  lhs_aligned, rhs_aligned = mosaic.lines_aligned(layout, rows, cols, contraction)
+  tiles = mosaic_row_tiles(rows, cols, num_sms, lhs_aligned=lhs_aligned,
+                           rhs_aligned=rhs_aligned, units=units)
+  if not tiles or (tiles.tile_count(rows, cols) * units
+                   < MOSAIC_SPLIT_FILL * tiles.concurrent_ctas(num_sms)):
+    return None
+  return pallas_triton.fit_stages(tiles, dtype, jnp.float32)
+
+
 def mosaic_strips(tiles: mosaic.HopperTiles, rows: int, cols: int, contraction: int
                   ) -> mosaic.HopperTiles:
   """``tiles`` with the order its programs take a rows x cols result's tiles in
@@ -385,14 +428,16 @@ def mosaic_tile_candidates(rhs_aligned: bool, transposed: bool = False,
 
 
 def mosaic_row_tiles(rows: int, cols: int, num_sms: int, *, lhs_aligned: bool = True,
-                     rhs_aligned: bool = True, transposed: bool = False, chunked: bool = False
-                     ) -> mosaic.HopperTiles | None:
+                     rhs_aligned: bool = True, transposed: bool = False, chunked: bool = False,
+                     units: int = 1) -> mosaic.HopperTiles | None:
   """The tile of :func:`mosaic_tile_candidates` that fits a rows x cols result
   (``HopperTiles.fits``) with the least estimated time, or None if none fits
   (``*_aligned``: ``hopper_matmul.lines_aligned``; ``transposed``: whether the
-  transposed tiles may run; ``chunked``: see :func:`mosaic_tile_candidates`).
+  transposed tiles may run; ``chunked``: see :func:`mosaic_tile_candidates`;
+  ``units``: work units a tile, the chunks of a split).
   Estimated time: waves x tile area / ``HopperTiles.rate``, where waves =
-  ceil(CTA tiles / the CTAs that run at once, ``HopperTiles.concurrent_ctas``).
+  ceil(CTA tiles x units / the CTAs that run at once,
+  ``HopperTiles.concurrent_ctas``).
   No program takes part of another's contraction, so the choice is
   about filling the last wave: the transposed tiles' row counts, any multiple
   of 8, let the tiles fill it closely.
@@ -405,7 +450,7 @@ def mosaic_row_tiles(rows: int, cols: int, num_sms: int, *, lhs_aligned: bool = 
   a 128,256-column LM head was 8% faster), then to the earlier candidate."""
   estimates = mosaic_tile_estimates(rows, cols, num_sms, lhs_aligned=lhs_aligned,
                                     rhs_aligned=rhs_aligned, transposed=transposed,
-                                    chunked=chunked)
+                                    chunked=chunked, units=units)
   if not estimates:
     return None
   least = min(estimates.values())
@@ -415,11 +460,12 @@ def mosaic_row_tiles(rows: int, cols: int, num_sms: int, *, lhs_aligned: bool = 
 
 def mosaic_tile_estimates(rows: int, cols: int, num_sms: int, *, lhs_aligned: bool = True,
                           rhs_aligned: bool = True, transposed: bool = False,
-                          chunked: bool = False) -> dict[mosaic.HopperTiles, float]:
+                          chunked: bool = False, units: int = 1
+                          ) -> dict[mosaic.HopperTiles, float]:
   """Each tile of :func:`mosaic_tile_candidates` that fits a rows x cols result,
   with its estimated time (:func:`mosaic_row_tiles`, which takes the least)."""
   def estimated_time(tiles):
-    return (tiles.waves(rows, cols, num_sms) * tiles.block_m * tiles.block_cols
+    return (tiles.waves(rows, cols, num_sms, units) * tiles.block_m * tiles.block_cols
             / tiles.rate(lhs_aligned, rhs_aligned))
 
   return {t: estimated_time(t)
@@ -435,7 +481,8 @@ def launch(plan_: Plan, lhs, rhs, *, layout: Layout, out_dtype, precision=None):
   becomes groups (Triton)."""
   out_dtype = jnp.dtype(out_dtype)
   if plan_.kernel is Kernel.MOSAIC_GPU:
-    return _mosaic_launcher(layout, out_dtype, plan_.tiles, plan_.contraction_chunk)(lhs, rhs)
+    return _mosaic_launcher(layout, out_dtype, plan_.tiles, plan_.contraction_chunk,
+                            plan_.split_chunks)(lhs, rhs)
   if plan_.kernel is Kernel.JAX_TRITON:
     from pallas_kernels import jax_triton_matmul
     if layout is Layout.TN:
@@ -455,14 +502,14 @@ def launch(plan_: Plan, lhs, rhs, *, layout: Layout, out_dtype, precision=None):
 
 @functools.cache
 def _mosaic_launcher(layout: Layout, out_dtype, tiles: mosaic.HopperTiles,
-                     contraction_chunk: int | None):
+                     contraction_chunk: int | None, split_chunks: bool):
   """The Mosaic GPU kernel on [1, ...] operands, with a vmap rule that re-plans
   with the same chunks (a chunk as long as the contraction: none)."""
 
   @jax.custom_batching.custom_vmap
   def mosaic_gemm(lhs, rhs):
     return mosaic.matmul(lhs[0], rhs[0], layout=layout, out_dtype=out_dtype, tiles=tiles,
-                         contraction_chunk=contraction_chunk)[None]
+                         contraction_chunk=contraction_chunk, split_chunks=split_chunks)[None]
 
   @mosaic_gemm.def_vmap
   def mosaic_gemm_batched(axis_size, in_batched, lhs, rhs):

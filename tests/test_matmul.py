@@ -364,7 +364,7 @@ def test_plan_runs_chunks_on_every_kernel():
   for) is planned on tiles whose accumulator fits twice, on the Mosaic GPU kernel
   where it takes the sizes; a single problem of at most SPLIT_CHUNK_ROWS rows over
   at least SPLIT_MIN_CHUNKS whole chunks runs its chunks on programs of their own,
-  on any ladder tile.
+  on any tile (of the Mosaic GPU kernel where its units fill the SMs).
   A chunk that covers the contraction plans as no chunk; dB and chunks that are
   not whole BLOCK_K steps are refused."""
   limit = kernels.CHUNK_ACCUMULATOR_REGISTERS
@@ -373,6 +373,7 @@ def test_plan_runs_chunks_on_every_kernel():
         (1, 512, 4096, None, Kernel.PALLAS_TRITON, True),
         (64, 1024, 4096, None, Kernel.PALLAS_TRITON, True),
         (256, 1024, 4096, None, Kernel.PALLAS_TRITON, True),
+        (202, 1024, 4608, None, Kernel.MOSAIC_GPU, True),
         (257, 1024, 4096, None, Kernel.MOSAIC_GPU, False),
         (64, 1024, 4088, None, Kernel.PALLAS_TRITON, False),
         (256, 1024, 4088, None, Kernel.MOSAIC_GPU, False),
@@ -398,19 +399,51 @@ def test_plan_runs_chunks_on_every_kernel():
 
 def test_split_chunks_overrides_the_rule():
   """plan's split_chunks forces either place for the chunks of one chunked problem
-  (what tune_matmul.py --split-m times), and is refused where no split can run:
-  an unchunked contraction, groups, or the jax-triton backend."""
+  (what tune_matmul.py --split-m times), on the kernel the split's rule picks,
+  and is refused where no split can run: an unchunked contraction, groups, or
+  the jax-triton backend."""
   in_program = _plan(Layout.NN, 100, 1024, 4096, split_chunks=False)
   assert not in_program.split_chunks and in_program.contraction_chunk == 2048
   assert in_program.tiles.accumulator_registers <= kernels.CHUNK_ACCUMULATOR_REGISTERS
   assert _plan(Layout.NN, 100, 1024, 4096) == _plan(Layout.NN, 100, 1024, 4096,
                                                      split_chunks=True)
   forced = _plan(Layout.NT, 4096, 1024, 4096, split_chunks=True)
+  assert forced.split_chunks and forced.kernel is Kernel.MOSAIC_GPU
+  forced = _plan(Layout.NT, 4096, 1001, 4096, split_chunks=True)
   assert forced.split_chunks and forced.kernel is Kernel.PALLAS_TRITON
   for options in (dict(cols=4096), dict(groups=2), dict(backend="triton")):
     cols = options.pop("cols", 1024)
     with pytest.raises(ValueError, match="split_chunks needs"):
       _plan(Layout.NN, 100, cols, 4096, split_chunks=True, **options)
+
+
+def test_plan_splits_on_the_mosaic_kernel_where_its_units_fill_the_sms():
+  """A split runs on the Mosaic GPU kernel where it takes the sizes and the
+  units of its pick (a chunk of a tile each, tiles that are not transposed, of
+  any accumulator) fill at least MOSAIC_SPLIT_FILL of the H100's 132 SMs, else
+  on the Triton ladder, whose tiles go down to 16 columns: shapes from the
+  H200 draw (benchmarks/results/h100.md, forty-fourth section)."""
+  for rows, cols, contraction, want in (
+      (202, 1024, 4608, hopper.HopperTiles(64, 64, 8, throughput=0.75)),  # 96 units
+      (208, 1664, 9952, hopper.HopperTiles(128, 64, 6)),  # 2 x 13 tiles x 3 chunks
+      (149, 1864, 9984, hopper.HopperTiles(128, 64, 6, multicast=True)),  # 1864: off the lines
+      (188, 256, 3200, None),  # 3 x 2 tiles x 4 chunks: 24 units
+      (256, 1024, 4096, None),  # 64 units
+      (100, 1024, 8192, None)):  # 2 x 8 tiles x 4 chunks
+    for layout in (Layout.NN, Layout.NT):
+      chosen = _plan(layout, rows, cols, contraction)
+      assert chosen.split_chunks, (layout, rows, cols, contraction, chosen)
+      if want is None:
+        assert chosen.kernel is Kernel.PALLAS_TRITON, (layout, rows, cols, chosen)
+        continue
+      assert chosen.kernel is Kernel.MOSAIC_GPU, (layout, rows, cols, chosen)
+      if layout is Layout.NN:  # NT's rhs rows are the contraction's, on other lines
+        assert chosen.tiles == kernels.fit_stages(want, bf16, jnp.float32), chosen
+      units = chosen.tiles.tile_count(rows, cols) * -(-contraction // chosen.contraction_chunk)
+      assert units >= matmul_plan.MOSAIC_SPLIT_FILL * 132, (rows, cols, units)
+  for options in (dict(dtype=jnp.dtype(jnp.float32)), dict(device=matmul_plan.Device("cpu"))):
+    chosen = _plan(Layout.NN, 202, 1024, 4608, **options)
+    assert chosen.split_chunks and chosen.kernel is Kernel.PALLAS_TRITON, (options, chosen)
 
 
 def test_chunks_on_programs_of_their_own_give_the_in_program_bits():
@@ -449,12 +482,13 @@ def _chunked_equals_loop_of_gemms(rows, cols, contraction, chunk, *, interpret):
 @pytest.mark.parametrize("where", ["here", pytest.param("gpu", marks=pytest.mark.gpu)])
 def test_chunked_contraction_equals_a_loop_of_gemms(where):
   """Interpret mode: 2 full chunks and a tail with a partial step; the GPU: the
-  Triton kernel's chunks against per-chunk GEMMs that the plan sends to Mosaic
-  GPU (300 rows) and to the Triton ladder (16 rows)."""
+  chunks (split on the Triton ladder at 16 rows and on the Mosaic GPU kernel at
+  200, in its programs at 300) against per-chunk GEMMs that the plan sends to
+  Mosaic GPU (200 and 300 rows) and to the Triton ladder (16 rows)."""
   if where == "here":
     _chunked_equals_loop_of_gemms(5, 40, 300, 128, interpret=True)
   else:
-    for rows in (16, 300):
+    for rows in (16, 200, 300):
       _chunked_equals_loop_of_gemms(rows, 1024, 2 * 8192 + 1000, 8192, interpret=False)
 
 
@@ -462,9 +496,9 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
   """The Mosaic GPU kernel runs 16-bit GEMMs of one problem with a result no
   smaller than one of its tiles and 16-byte row pitches (every operand's and the
   result's minor dimension a multiple of 8): the forward and dA above LADDER_ROWS
-  rows (but a chunked contraction whose chunks run on programs of their own, and
-  where the plan keeps the ladder: matmul_plan.ladder_keeps), dB whatever the
-  token count."""
+  rows (but where the plan keeps the ladder: matmul_plan.ladder_keeps), a
+  chunked contraction's split where its pick's units fill the SMs
+  (matmul_plan.mosaic_split_tiles), dB whatever the token count."""
   for layout in Layout:
     for rows in (1, 64, 65, 100, 128, 129, 192, 300, 777, 1000, 1001, 4096):
       for cols in (64, 128, 192, 320, 1000, 1004, 1024, 4096, 13824, 28672):
@@ -479,15 +513,19 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
             ladder = matmul_plan.triton_tiles(layout, rows, cols, bf16, bf16,
                                               contraction=contraction,
                                               chunked=chosen.contraction_chunk is not None)
-            mosaic_fits = (rows > hopper.LADDER_ROWS and cols % 8 == 0 and contraction % 8 == 0
-                           and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
-            if mosaic_fits:
+            takes = (cols % 8 == 0 and contraction % 8 == 0
+                     and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
+            mosaic_fits = takes and rows > hopper.LADDER_ROWS
+            if chosen.split_chunks:
+              mosaic_fits = takes and matmul_plan.mosaic_split_tiles(
+                  layout, rows, cols, contraction, chosen.contraction_chunk, bf16, H100,
+                  132) is not None
+            elif mosaic_fits:
               pick = matmul_plan.mosaic_pick(layout, rows, cols, contraction, bf16, 132,
                                              chunked=chosen.contraction_chunk is not None)
               mosaic_fits = not matmul_plan.ladder_keeps(ladder, pick, rows, cols, contraction,
                                                          132)
-          assert (chosen.kernel is Kernel.MOSAIC_GPU) == (mosaic_fits and not
-                                                          chosen.split_chunks), (
+          assert (chosen.kernel is Kernel.MOSAIC_GPU) == mosaic_fits, (
               layout, rows, cols, contraction, chosen)
           if chosen.kernel is Kernel.MOSAIC_GPU:
             assert chosen.tiles.fits(rows, cols), (layout, rows, cols, chosen)
@@ -778,8 +816,9 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
   each stage count (for a chunked contraction, those whose accumulator fits
   twice, and every tile with the chunks on programs of their own), jax-triton
   where it is installed, and, where the Mosaic GPU kernel serves the sizes, each
-  of its candidate tiles (``matmul_plan.mosaic_tile_candidates``). ``device``:
-  the plan's (default: the current one)."""
+  of its candidate tiles (``matmul_plan.mosaic_tile_candidates``), for a chunked
+  contraction with the chunks split too. ``device``: the plan's (default: the
+  current one)."""
   chunk = matmul_plan.fixed_contraction_chunk(layout, cols, contraction)
   ladder = (_gpu_ladder_configs() if layout is not Layout.TN
             else [kernels.GPU_AT_B_TILES, *kernels.GPU_MATMUL_LADDER])
@@ -801,6 +840,11 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
                   matmul_plan.mosaic_strips(t, rows, cols, contraction), dtype, dtype),
                                contraction_chunk=chunk)
               for t in candidates if t.fits(rows, cols)]
+    if chunk is not None:
+      plans += [matmul_plan.Plan(Kernel.MOSAIC_GPU, kernels.fit_stages(t, dtype, jnp.float32),
+                                 contraction_chunk=chunk, split_chunks=True)
+                for t in matmul_plan.mosaic_tile_candidates(rhs_aligned, lhs_aligned=lhs_aligned)
+                if t.fits(rows, cols)]
   return plans
 
 
@@ -825,9 +869,9 @@ def test_envelope_plan_list_holds_every_plan_choice():
   plan() makes on an H100 for each layout over a grid of sizes, so the GPU sweep
   covers every kernel and tile the plan can choose, grouped GEMMs' included."""
   for layout, groups in itertools.product(Layout, (1, 8)):
-    for rows in (1, 16, 64, 129, 300, 1000, 4096):
+    for rows in (1, 16, 64, 129, 200, 300, 1000, 4096):
       for cols in (192, 1000, 3000, 4096, 32000):
-        for contraction in (300, 1000, 2048, 3000, 4096):
+        for contraction in (300, 1000, 2048, 3000, 4096, 6144):
           chosen = _plan(layout, rows, cols, contraction, groups=groups)
           assert chosen in _every_plan(layout, rows, cols, contraction, bf16, device=H100), (
               layout, groups, rows, cols, contraction, chosen)
