@@ -103,12 +103,15 @@ MIN_CHUNK = 1024
 # 1.14-2.2x faster than in-program chunks at 38 of 40 such GEMMs of 65-256 rows,
 # lost at 7 of 8 weights at 514 rows, and over 1.1-1.5 chunks ran 0.75-1.16x as
 # fast as in-program chunks (benchmarks/results/h100.md, forty-first section).
+# Above, the split runs only on the Mosaic GPU kernel, where the in-program
+# pick's tiles fill less than MOSAIC_SPLIT_FILL of the SMs (splits_chunks).
 SPLIT_CHUNK_ROWS = 256
 SPLIT_MIN_CHUNKS = 2
-# A split runs on the Mosaic GPU kernel where it takes the sizes and the work
-# units of its pick (one chunk of one tile each: mosaic_split_tiles) fill at
-# least MOSAIC_SPLIT_FILL of the SMs' CTA slots; on the Triton ladder otherwise,
-# whose tiles go down to 16 columns. On an H200 (benchmarks/results/h100.md,
+# A split runs on the Mosaic GPU kernel where it takes the sizes and, up to
+# SPLIT_CHUNK_ROWS rows, the work units of its pick (one chunk of one tile each:
+# mosaic_split_tiles) fill at least MOSAIC_SPLIT_FILL of the SMs' CTA slots
+# (fills_the_sms); on the Triton ladder otherwise, whose tiles go down to 16
+# columns. On an H200 (benchmarks/results/h100.md,
 # forty-fourth section), at 18 narrow GEMMs of 65-256 rows drawn after the rule
 # was written, the Mosaic split ran 1.06-1.84x as fast as the Triton split at the
 # 10 it takes (1.52x in geometric mean), and 0.92-1.28x at the 8 it leaves,
@@ -180,8 +183,10 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   (``pallas_kernels.matmul.holds_two_accumulators``); a single problem of
   at most ``SPLIT_CHUNK_ROWS`` rows over at least ``SPLIT_MIN_CHUNKS`` whole
   chunks runs its chunks on programs of their own (``Plan.split_chunks``), on
-  the Mosaic GPU kernel where :func:`mosaic_split_tiles` gives tiles, else on
-  the Triton ladder's.
+  the Mosaic GPU kernel where :func:`mosaic_split_tiles` gives tiles whose
+  units fill the SMs (:func:`fills_the_sms`), else on the Triton ladder's;
+  above SPLIT_CHUNK_ROWS rows on the Mosaic GPU kernel where
+  :func:`splits_chunks` says.
   ``split_chunks`` (True or False) overrides that rule for a chunked single
   problem on the "pallas" backend (``benchmarks/tune_matmul.py --split-m``
   times both); the bits are the same either way.
@@ -204,11 +209,12 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   if interpret:
     return Plan(Kernel.PALLAS_TRITON, pallas_triton.INTERPRET_TILES, interpret=True,
                 contraction_chunk=contraction_chunk, split_chunks=bool(split_chunks))
-  if split_chunks is None:
-    split_chunks = (chunked and groups == 1 and rows <= SPLIT_CHUNK_ROWS
-                    and contraction >= SPLIT_MIN_CHUNKS * contraction_chunk)
   device = device or Device.current()
   num_sms = device.sm_count or pallas_triton.H100_SM_COUNT
+  if split_chunks is None:
+    split_chunks = (chunked and groups == 1 and backend == "pallas"
+                    and splits_chunks(layout, rows, cols, contraction, contraction_chunk,
+                                      dtype, out_dtype, device, num_sms))
   if backend == "triton":
     return Plan(Kernel.JAX_TRITON, triton_tiles(layout, rows, cols, dtype, out_dtype, groups,
                                                 num_sms, chunked=chunked),
@@ -216,7 +222,9 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   if split_chunks:
     mosaic_split = mosaic_split_tiles(layout, rows, cols, contraction, contraction_chunk,
                                       dtype, device, num_sms)
-    if mosaic_split:
+    if mosaic_split and (rows > SPLIT_CHUNK_ROWS or fills_the_sms(
+        mosaic_split, mosaic_split.tile_count(rows, cols) * cdiv(contraction, contraction_chunk),
+        num_sms)):
       return Plan(Kernel.MOSAIC_GPU, mosaic_split, contraction_chunk=contraction_chunk,
                   split_chunks=True)
     split_tiles = triton_tiles(layout, rows, cols, dtype, jnp.float32,
@@ -358,28 +366,50 @@ def mosaic_pick(layout: Layout, rows: int, cols: int, contraction: int, out_dtyp
                           chunked=chunked)
 
 
+def splits_chunks(layout: Layout, rows: int, cols: int, contraction: int,
+                  contraction_chunk: int, dtype, out_dtype, device: Device, num_sms: int
+                  ) -> bool:
+  """Whether a single forward or dA of a [rows, cols] result whose
+  ``contraction`` is summed in chunks of ``contraction_chunk`` runs its chunks on
+  programs of their own: over at least SPLIT_MIN_CHUNKS whole chunks, and up to
+  SPLIT_CHUNK_ROWS rows on any kernel; above, only on the Mosaic GPU kernel
+  (:func:`mosaic_split_tiles`) and where the tiles of its in-program pick
+  (:func:`mosaic_pick`) do not fill the SMs (:func:`fills_the_sms`)."""
+  if contraction < SPLIT_MIN_CHUNKS * contraction_chunk:
+    return False
+  if rows <= SPLIT_CHUNK_ROWS:
+    return True
+  if not mosaic_split_tiles(layout, rows, cols, contraction, contraction_chunk, dtype,
+                            device, num_sms):
+    return False
+  in_program = mosaic_pick(layout, rows, cols, contraction, out_dtype, num_sms, chunked=True)
+  return in_program is not None and not fills_the_sms(
+      in_program, in_program.tile_count(rows, cols), num_sms)
+
+
+def fills_the_sms(tiles: mosaic.HopperTiles, ctas: int, num_sms: int) -> bool:
+  """Whether ``ctas`` CTAs of ``tiles`` fill at least MOSAIC_SPLIT_FILL of the
+  CTA slots that a GPU of ``num_sms`` SMs runs at once."""
+  return ctas >= MOSAIC_SPLIT_FILL * tiles.concurrent_ctas(num_sms)
+
+
 def mosaic_split_tiles(layout: Layout, rows: int, cols: int, contraction: int,
                        contraction_chunk: int, dtype, device: Device, num_sms: int
                        ) -> mosaic.HopperTiles | None:
   """The Mosaic GPU kernel's tiles for a chunked contraction whose chunks run on
   programs of their own (each chunk of each tile a work unit, float32 partials:
-  ``hopper_matmul.matmul``'s ``split_chunks``), or None where the split stays on
-  the Triton ladder: a device, dtype or sizes the kernel does not take (module
-  docstring), no tile that fits, or units of the pick that fill less than
-  ``MOSAIC_SPLIT_FILL`` of the CTA slots. The pick is :func:`mosaic_row_tiles`'s
-  over the units (``units`` = the chunks), among tiles that are not transposed
-  (their epilogue stores 16-bit results only) and whatever their accumulator."""
+  ``hopper_matmul.matmul``'s ``split_chunks``), or None where the kernel does not
+  take them: a device, dtype or sizes it does not take (module docstring), or no
+  tile that fits. The pick is :func:`mosaic_row_tiles`'s over the units
+  (``units`` = the chunks), among tiles that are not transposed (their epilogue
+  stores 16-bit results only) and whatever their accumulator."""
   if (not device.is_hopper or dtype not in mosaic.DTYPES
       or not mosaic.takes(layout, rows, cols, contraction)):
     return None
-  units = cdiv(contraction, contraction_chunk)
   lhs_aligned, rhs_aligned = mosaic.lines_aligned(layout, rows, cols, contraction)
   tiles = mosaic_row_tiles(rows, cols, num_sms, lhs_aligned=lhs_aligned,
-                           rhs_aligned=rhs_aligned, units=units)
-  if not tiles or (tiles.tile_count(rows, cols) * units
-                   < MOSAIC_SPLIT_FILL * tiles.concurrent_ctas(num_sms)):
-    return None
-  return pallas_triton.fit_stages(tiles, dtype, jnp.float32)
+                           rhs_aligned=rhs_aligned, units=cdiv(contraction, contraction_chunk))
+  return tiles and pallas_triton.fit_stages(tiles, dtype, jnp.float32)
 
 
 def mosaic_strips(tiles: mosaic.HopperTiles, rows: int, cols: int, contraction: int

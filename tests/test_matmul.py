@@ -364,7 +364,8 @@ def test_plan_runs_chunks_on_every_kernel():
   for) is planned on tiles whose accumulator fits twice, on the Mosaic GPU kernel
   where it takes the sizes; a single problem of at most SPLIT_CHUNK_ROWS rows over
   at least SPLIT_MIN_CHUNKS whole chunks runs its chunks on programs of their own,
-  on any tile (of the Mosaic GPU kernel where its units fill the SMs).
+  on any tile (of the Mosaic GPU kernel where its units fill the SMs), and so
+  does one of more rows whose in-program Mosaic GPU tiles leave the SMs half idle.
   A chunk that covers the contraction plans as no chunk; dB and chunks that are
   not whole BLOCK_K steps are refused."""
   limit = kernels.CHUNK_ACCUMULATOR_REGISTERS
@@ -374,10 +375,11 @@ def test_plan_runs_chunks_on_every_kernel():
         (64, 1024, 4096, None, Kernel.PALLAS_TRITON, True),
         (256, 1024, 4096, None, Kernel.PALLAS_TRITON, True),
         (202, 1024, 4608, None, Kernel.MOSAIC_GPU, True),
-        (257, 1024, 4096, None, Kernel.MOSAIC_GPU, False),
+        (257, 1024, 4096, None, Kernel.MOSAIC_GPU, True),  # 5 x 8 tiles in-program
+        (1000, 1024, 4096, None, Kernel.MOSAIC_GPU, False),  # 16 x 8 tiles
         (64, 1024, 4088, None, Kernel.PALLAS_TRITON, False),
         (256, 1024, 4088, None, Kernel.MOSAIC_GPU, False),
-        (300, 512, 4096, None, Kernel.MOSAIC_GPU, False),
+        (300, 512, 4096, None, Kernel.MOSAIC_GPU, True),
         (4096, 1024, 4096, None, Kernel.MOSAIC_GPU, False),
         (4096, 1001, 4096, None, Kernel.PALLAS_TRITON, False),
         (1, 4096, 20000, 8192, Kernel.PALLAS_TRITON, True),
@@ -421,8 +423,9 @@ def test_plan_splits_on_the_mosaic_kernel_where_its_units_fill_the_sms():
   """A split runs on the Mosaic GPU kernel where it takes the sizes and the
   units of its pick (a chunk of a tile each, tiles that are not transposed, of
   any accumulator) fill at least MOSAIC_SPLIT_FILL of the H100's 132 SMs, else
-  on the Triton ladder, whose tiles go down to 16 columns: shapes from the
-  H200 draw (benchmarks/results/h100.md, forty-fourth section)."""
+  on the Triton ladder, whose tiles go down to 16 columns; above
+  SPLIT_CHUNK_ROWS rows only where the in-program tiles fill less than that:
+  shapes from the H200 draws (benchmarks/results/h100.md, forty-fourth section)."""
   for rows, cols, contraction, want in (
       (202, 1024, 4608, hopper.HopperTiles(64, 64, 8, throughput=0.75)),  # 96 units
       (208, 1664, 9952, hopper.HopperTiles(128, 64, 6)),  # 2 x 13 tiles x 3 chunks
@@ -444,6 +447,12 @@ def test_plan_splits_on_the_mosaic_kernel_where_its_units_fill_the_sms():
   for options in (dict(dtype=jnp.dtype(jnp.float32)), dict(device=matmul_plan.Device("cpu"))):
     chosen = _plan(Layout.NN, 202, 1024, 4608, **options)
     assert chosen.split_chunks and chosen.kernel is Kernel.PALLAS_TRITON, (options, chosen)
+  # Above SPLIT_CHUNK_ROWS: where the in-program pick's tiles leave half the SMs idle.
+  for rows, cols, contraction, split in ((466, 256, 3872, True),  # 8 x 2 tiles in-program
+                                         (948, 1152, 4736, False),  # T72 x 128: 14 x 9
+                                         (969, 1024, 15360, False)):  # 16 x 8
+    chosen = _plan(Layout.NN, rows, cols, contraction)
+    assert (chosen.kernel, chosen.split_chunks) == (Kernel.MOSAIC_GPU, split), (rows, chosen)
 
 
 def test_chunks_on_programs_of_their_own_give_the_in_program_bits():
@@ -517,9 +526,12 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
                      and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
             mosaic_fits = takes and rows > hopper.LADDER_ROWS
             if chosen.split_chunks:
-              mosaic_fits = takes and matmul_plan.mosaic_split_tiles(
-                  layout, rows, cols, contraction, chosen.contraction_chunk, bf16, H100,
-                  132) is not None
+              split = matmul_plan.mosaic_split_tiles(layout, rows, cols, contraction,
+                                                     chosen.contraction_chunk, bf16, H100, 132)
+              units = -(-contraction // chosen.contraction_chunk)
+              mosaic_fits = takes and split is not None and (
+                  rows > matmul_plan.SPLIT_CHUNK_ROWS
+                  or matmul_plan.fills_the_sms(split, split.tile_count(rows, cols) * units, 132))
             elif mosaic_fits:
               pick = matmul_plan.mosaic_pick(layout, rows, cols, contraction, bf16, 132,
                                              chunked=chosen.contraction_chunk is not None)
