@@ -205,12 +205,12 @@ def at_b_sweep(m=1024):
 def _plan_name(plan: matmul_plan.Plan) -> str:
   """A plan's kernel and tile: ``mosaic T96x256 mc2`` (transposed, clusters of 2)."""
   t = plan.tiles
+  split = " split" if plan.split_chunks else ""
   if isinstance(t, hopper.HopperTiles):
     return (f"mosaic {'T' if t.transposed else ''}{t.block_m}x{t.block_cols}"
-            + (f" mc{t.cluster_size}" if t.multicast else ""))
+            + (f" mc{t.cluster_size}" if t.multicast else "") + split)
   return (f"triton {t.block_m}x{t.block_n} s{t.num_stages}"
-          + (f" k{t.step_k}" if t.step_k != BLOCK_K else "")
-          + (" split" if plan.split_chunks else ""))
+          + (f" k{t.step_k}" if t.step_k != BLOCK_K else "") + split)
 
 
 def _forward_fn(plan: matmul_plan.Plan):
