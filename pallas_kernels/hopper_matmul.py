@@ -10,7 +10,9 @@ kernels emits on the H100 too, so the two give the same bits and
 :func:`pallas_kernels.matmul_plan.plan` may send any row count to either
 (``tests/test_matmul.py`` checks it on the GPU across every boundary).
 
-One program per SM walks the output tiles (a persistent grid). Each program
+One program per SM walks the output tiles (a persistent grid; with split
+chunks, each chunk of each tile, into float32 partials that
+``pallas_kernels.matmul.chunk_total`` adds in order). Each program
 has a TMA producer warpgroup and two consumer warpgroups, each owning half of a
 ``block_m x 2 block_n`` tile. The producer streams the contraction steps of all
 the program's tiles through one ring of shared-memory stages, so it runs on

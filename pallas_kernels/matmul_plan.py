@@ -211,14 +211,13 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
                 contraction_chunk=contraction_chunk, split_chunks=bool(split_chunks))
   device = device or Device.current()
   num_sms = device.sm_count or pallas_triton.H100_SM_COUNT
-  if split_chunks is None:
-    split_chunks = (chunked and groups == 1 and backend == "pallas"
-                    and splits_chunks(layout, rows, cols, contraction, contraction_chunk,
-                                      dtype, out_dtype, device, num_sms))
   if backend == "triton":
     return Plan(Kernel.JAX_TRITON, triton_tiles(layout, rows, cols, dtype, out_dtype, groups,
                                                 num_sms, chunked=chunked),
                 contraction_chunk=contraction_chunk)
+  if split_chunks is None:
+    split_chunks = chunked and groups == 1 and splits_chunks(
+        layout, rows, cols, contraction, contraction_chunk, dtype, out_dtype, device, num_sms)
   if split_chunks:
     mosaic_split = mosaic_split_tiles(layout, rows, cols, contraction, contraction_chunk,
                                       dtype, device, num_sms)
@@ -409,7 +408,7 @@ def mosaic_split_tiles(layout: Layout, rows: int, cols: int, contraction: int,
   lhs_aligned, rhs_aligned = mosaic.lines_aligned(layout, rows, cols, contraction)
   tiles = mosaic_row_tiles(rows, cols, num_sms, lhs_aligned=lhs_aligned,
                            rhs_aligned=rhs_aligned, units=cdiv(contraction, contraction_chunk))
-  return tiles and pallas_triton.fit_stages(tiles, dtype, jnp.float32)
+  return pallas_triton.fit_stages(tiles, dtype, jnp.float32) if tiles else None
 
 
 def mosaic_strips(tiles: mosaic.HopperTiles, rows: int, cols: int, contraction: int
