@@ -442,7 +442,8 @@ def test_plan_splits_on_the_mosaic_kernel_where_its_units_fill_the_sms():
       assert chosen.kernel is Kernel.MOSAIC_GPU, (layout, rows, cols, chosen)
       if layout is Layout.NN:  # NT's rhs rows are the contraction's, on other lines
         assert chosen.tiles == kernels.fit_stages(want, bf16, jnp.float32), chosen
-      units = chosen.tiles.tile_count(rows, cols) * -(-contraction // chosen.contraction_chunk)
+      chunks = kernels.cdiv(contraction, chosen.contraction_chunk)
+      units = chosen.tiles.tile_count(rows, cols) * chunks
       assert units >= matmul_plan.MOSAIC_SPLIT_FILL * 132, (rows, cols, units)
   for options in (dict(dtype=jnp.dtype(jnp.float32)), dict(device=matmul_plan.Device("cpu"))):
     chosen = _plan(Layout.NN, 202, 1024, 4608, **options)
@@ -528,7 +529,7 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
             if chosen.split_chunks:
               split = matmul_plan.mosaic_split_tiles(layout, rows, cols, contraction,
                                                      chosen.contraction_chunk, bf16, H100, 132)
-              units = -(-contraction // chosen.contraction_chunk)
+              units = kernels.cdiv(contraction, chosen.contraction_chunk)
               mosaic_fits = takes and split is not None and (
                   rows > matmul_plan.SPLIT_CHUNK_ROWS
                   or matmul_plan.fills_the_sms(split, split.tile_count(rows, cols) * units, 132))
