@@ -183,10 +183,9 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   (``pallas_kernels.matmul.holds_two_accumulators``); a single problem of
   at most ``SPLIT_CHUNK_ROWS`` rows over at least ``SPLIT_MIN_CHUNKS`` whole
   chunks runs its chunks on programs of their own (``Plan.split_chunks``), on
-  the Mosaic GPU kernel where :func:`mosaic_split_tiles` gives tiles whose
-  units fill the SMs (:func:`fills_the_sms`), else on the Triton ladder's;
-  above SPLIT_CHUNK_ROWS rows on the Mosaic GPU kernel where
-  :func:`splits_chunks` says.
+  the Mosaic GPU kernel where :func:`mosaic_split_tiles` gives tiles, else on
+  the Triton ladder's; above SPLIT_CHUNK_ROWS rows on the Mosaic GPU kernel
+  where :func:`splits_chunks` says.
   ``split_chunks`` (True or False) overrides that rule for a chunked single
   problem on the "pallas" backend (``benchmarks/tune_matmul.py --split-m``
   times both); the bits are the same either way.
@@ -215,15 +214,13 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
     return Plan(Kernel.JAX_TRITON, triton_tiles(layout, rows, cols, dtype, out_dtype, groups,
                                                 num_sms, chunked=chunked),
                 contraction_chunk=contraction_chunk)
+  mosaic_split = (mosaic_split_tiles(layout, rows, cols, contraction, contraction_chunk,
+                                     dtype, device, num_sms) if chunked and groups == 1 else None)
   if split_chunks is None:
     split_chunks = chunked and groups == 1 and splits_chunks(
-        layout, rows, cols, contraction, contraction_chunk, dtype, out_dtype, device, num_sms)
+        layout, rows, cols, contraction, contraction_chunk, out_dtype, num_sms, mosaic_split)
   if split_chunks:
-    mosaic_split = mosaic_split_tiles(layout, rows, cols, contraction, contraction_chunk,
-                                      dtype, device, num_sms)
-    if mosaic_split and (rows > SPLIT_CHUNK_ROWS or fills_the_sms(
-        mosaic_split, mosaic_split.tile_count(rows, cols) * cdiv(contraction, contraction_chunk),
-        num_sms)):
+    if mosaic_split:
       return Plan(Kernel.MOSAIC_GPU, mosaic_split, contraction_chunk=contraction_chunk,
                   split_chunks=True)
     split_tiles = triton_tiles(layout, rows, cols, dtype, jnp.float32,
@@ -337,8 +334,7 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
   fits the result (``HopperTiles.fits``); the forward and dA above LADDER_ROWS
   rows but where the plan keeps the ``ladder``'s tiles (:func:`ladder_keeps`);
   ``chunked``: see :func:`triton_tiles`."""
-  if (not device.is_hopper or dtype not in mosaic.DTYPES or groups != 1
-      or not mosaic.takes(layout, rows, cols, contraction)):
+  if groups != 1 or not _mosaic_takes(layout, rows, cols, contraction, dtype, device):
     return None
   rows_are_tokens = layout is not Layout.TN  # the forward and dA
   if rows_are_tokens and rows <= mosaic.LADDER_ROWS:
@@ -351,35 +347,43 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
                                   dtype, out_dtype)
 
 
+def _mosaic_takes(layout: Layout, rows: int, cols: int, contraction: int, dtype,
+                  device: Device) -> bool:
+  """Whether the Mosaic GPU kernel runs on ``device`` with ``dtype`` operands and
+  takes these sizes (``hopper_matmul.takes``)."""
+  return (device.is_hopper and dtype in mosaic.DTYPES
+          and mosaic.takes(layout, rows, cols, contraction))
+
+
 def mosaic_pick(layout: Layout, rows: int, cols: int, contraction: int, out_dtype,
-                num_sms: int, *, chunked: bool = False) -> mosaic.HopperTiles | None:
+                num_sms: int, *, chunked: bool = False, units: int = 1
+                ) -> mosaic.HopperTiles | None:
   """The tile :func:`mosaic_row_tiles` picks for a GEMM of a [rows, cols] result
-  over ``contraction`` in ``layout`` with an ``out_dtype`` result: with the
-  operands' line alignment (``hopper_matmul.lines_aligned``) and the transposed
-  tiles where they run (``hopper_matmul.transposed_takes``); before its strip
-  order and stages."""
+  over ``contraction`` in ``layout`` with an ``out_dtype`` result (``units``
+  work units a tile): with the operands' line alignment
+  (``hopper_matmul.lines_aligned``) and the transposed tiles where they run
+  (``hopper_matmul.transposed_takes``); before its strip order and stages."""
   lhs_aligned, rhs_aligned = mosaic.lines_aligned(layout, rows, cols, contraction)
   return mosaic_row_tiles(rows, cols, num_sms, lhs_aligned=lhs_aligned,
                           rhs_aligned=rhs_aligned,
                           transposed=mosaic.transposed_takes(layout, out_dtype),
-                          chunked=chunked)
+                          chunked=chunked, units=units)
 
 
 def splits_chunks(layout: Layout, rows: int, cols: int, contraction: int,
-                  contraction_chunk: int, dtype, out_dtype, device: Device, num_sms: int
-                  ) -> bool:
+                  contraction_chunk: int, out_dtype, num_sms: int,
+                  mosaic_split: mosaic.HopperTiles | None) -> bool:
   """Whether a single forward or dA of a [rows, cols] result whose
   ``contraction`` is summed in chunks of ``contraction_chunk`` runs its chunks on
   programs of their own: over at least SPLIT_MIN_CHUNKS whole chunks, and up to
   SPLIT_CHUNK_ROWS rows on any kernel; above, only on the Mosaic GPU kernel
-  (:func:`mosaic_split_tiles`) and where the tiles of its in-program pick
-  (:func:`mosaic_pick`) do not fill the SMs (:func:`fills_the_sms`)."""
+  (``mosaic_split``, :func:`mosaic_split_tiles`'s) and where the tiles of its
+  in-program pick (:func:`mosaic_pick`) do not fill the SMs (:func:`fills_the_sms`)."""
   if contraction < SPLIT_MIN_CHUNKS * contraction_chunk:
     return False
   if rows <= SPLIT_CHUNK_ROWS:
     return True
-  if not mosaic_split_tiles(layout, rows, cols, contraction, contraction_chunk, dtype,
-                            device, num_sms):
+  if not mosaic_split:
     return False
   in_program = mosaic_pick(layout, rows, cols, contraction, out_dtype, num_sms, chunked=True)
   return in_program is not None and not fills_the_sms(
@@ -395,20 +399,23 @@ def fills_the_sms(tiles: mosaic.HopperTiles, ctas: int, num_sms: int) -> bool:
 def mosaic_split_tiles(layout: Layout, rows: int, cols: int, contraction: int,
                        contraction_chunk: int, dtype, device: Device, num_sms: int
                        ) -> mosaic.HopperTiles | None:
-  """The Mosaic GPU kernel's tiles for a chunked contraction whose chunks run on
-  programs of their own (each chunk of each tile a work unit, float32 partials:
-  ``hopper_matmul.matmul``'s ``split_chunks``), or None where the kernel does not
-  take them: a device, dtype or sizes it does not take (module docstring), or no
-  tile that fits. The pick is :func:`mosaic_row_tiles`'s over the units
-  (``units`` = the chunks), among tiles that are not transposed (their epilogue
-  stores 16-bit results only) and whatever their accumulator."""
-  if (not device.is_hopper or dtype not in mosaic.DTYPES
-      or not mosaic.takes(layout, rows, cols, contraction)):
+  """The Mosaic GPU kernel's tiles for a single chunked contraction whose chunks
+  run on programs of their own (each chunk of each tile a work unit, float32
+  partials: ``hopper_matmul.matmul``'s ``split_chunks``), or None where such a
+  split runs on the Triton ladder instead: a device, dtype or sizes the kernel
+  does not take (module docstring), no tile that fits, or, up to
+  SPLIT_CHUNK_ROWS rows, units of the pick that do not fill the SMs
+  (:func:`fills_the_sms`). The pick is :func:`mosaic_pick`'s over the units
+  (``units`` = the chunks) for the float32 partials, so among tiles that are not
+  transposed, whatever their accumulator."""
+  if not _mosaic_takes(layout, rows, cols, contraction, dtype, device):
     return None
-  lhs_aligned, rhs_aligned = mosaic.lines_aligned(layout, rows, cols, contraction)
-  tiles = mosaic_row_tiles(rows, cols, num_sms, lhs_aligned=lhs_aligned,
-                           rhs_aligned=rhs_aligned, units=cdiv(contraction, contraction_chunk))
-  return pallas_triton.fit_stages(tiles, dtype, jnp.float32) if tiles else None
+  units = cdiv(contraction, contraction_chunk)
+  tiles = mosaic_pick(layout, rows, cols, contraction, jnp.float32, num_sms, units=units)
+  if not tiles or (rows <= SPLIT_CHUNK_ROWS
+                   and not fills_the_sms(tiles, tiles.tile_count(rows, cols) * units, num_sms)):
+    return None
+  return pallas_triton.fit_stages(tiles, dtype, jnp.float32)
 
 
 def mosaic_strips(tiles: mosaic.HopperTiles, rows: int, cols: int, contraction: int

@@ -527,12 +527,9 @@ def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
                      and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
             mosaic_fits = takes and rows > hopper.LADDER_ROWS
             if chosen.split_chunks:
-              split = matmul_plan.mosaic_split_tiles(layout, rows, cols, contraction,
-                                                     chosen.contraction_chunk, bf16, H100, 132)
-              units = kernels.cdiv(contraction, chosen.contraction_chunk)
-              mosaic_fits = takes and split is not None and (
-                  rows > matmul_plan.SPLIT_CHUNK_ROWS
-                  or matmul_plan.fills_the_sms(split, split.tile_count(rows, cols) * units, 132))
+              mosaic_fits = takes and matmul_plan.mosaic_split_tiles(
+                  layout, rows, cols, contraction, chosen.contraction_chunk, bf16, H100,
+                  132) is not None
             elif mosaic_fits:
               pick = matmul_plan.mosaic_pick(layout, rows, cols, contraction, bf16, 132,
                                              chunked=chosen.contraction_chunk is not None)
