@@ -154,6 +154,13 @@ STREAMED_STEP_K = 128
 DEEP_STEP_STAGE_BYTES = 4096
 DEEP_STEP_MIN_CONTRACTION = 2048
 DEEP_STEP_SPARE_STAGES = 2
+# A loop of deep steps runs only where it takes at least MIN_DEEP_STEPS trips
+# (contraction_loop): on an H200 (jax 0.11.2, Triton 3.6) a last chunk of one
+# 128- or 256-deep step, a loop of one trip, summed to other bits than its 64-deep
+# steps at 90-95% of the elements of five chunked GEMMs, where loops of two or
+# more deep steps gave their bits (benchmarks/results/h100.md, forty-fifth
+# section).
+MIN_DEEP_STEPS = 2
 
 # A chunked contraction (``contraction_loop``'s ``chunk``) holds two float32
 # accumulators at the end of each chunk, the chunk's sum and the running total:
@@ -220,7 +227,9 @@ def contraction_loop(k: int, step, acc, *, chunk: int | None = None, depth: int 
   for the full steps and masks the indices past ``k`` in a last, partial one
   (its own loop of one trip, so that its start stays a traced value). With
   ``depth`` (a multiple of BLOCK_K, ``MatmulTiles.step_k``) the full steps run
-  ``depth / BLOCK_K`` at a time while that many remain, then one at a time.
+  ``depth / BLOCK_K`` at a time while that many remain, then one at a time; a
+  run of full steps that holds a single deep step runs it one step at a time
+  (``MIN_DEEP_STEPS``).
 
   With ``chunk`` (a multiple of BLOCK_K), each run of ``chunk`` contraction
   indices is summed by the same steps into an accumulator of its own that
@@ -244,6 +253,8 @@ def contraction_loop(k: int, step, acc, *, chunk: int | None = None, depth: int 
     """``count`` full steps from step ``first``, then with ``last`` the partial
     step, if any."""
     deep_steps = count // per_deep if per_deep > 1 else 0
+    if deep_steps < MIN_DEEP_STEPS:
+      deep_steps = 0
     if deep_steps:
       acc = lax.fori_loop(0, deep_steps, functools.partial(deep_body, first), acc)
     if count > deep_steps * per_deep:

@@ -309,18 +309,21 @@ def test_contraction_loop_deep_steps_in_order():
   """With ``depth`` (MatmulTiles.step_k) the contraction runs in deep steps while
   whole ones remain, then in BLOCK_K steps, then the masked partial step: every
   index once, in increasing order, the partial step's zeros where they were;
-  chunks run the same within each chunk."""
+  chunks run the same within each chunk. A run that holds a single deep step
+  (fewer than MIN_DEEP_STEPS) takes BLOCK_K steps."""
   covered, order = _contraction_walk(1000, depth=256)
   assert order == [(0, 256, 0), (256, 256, 0), (512, 256, 0), (768, 64, 0), (832, 64, 0),
                    (896, 64, 0), (960, 64, 1)]
   assert (covered[:768] == 2560).all() and (covered[768:960] == 640).all()
   assert (covered[960:1024] == 641).all() and not covered[1024:].any()
   assert _contraction_walk(1000)[1] == [(s, 64, s == 960) for s in range(0, 1000, 64)]
-  covered, _ = _contraction_walk(1000, depth=256, chunk=320)
-  deep = np.concatenate([np.arange(c, c + 256) for c in (0, 320, 640)])
-  single = np.setdiff1d(np.arange(960), deep)
-  assert (covered[deep] == 2560).all() and (covered[single] == 640).all()
+  assert kernels.MIN_DEEP_STEPS == 2
+  assert _contraction_walk(448, depth=256)[1] == [(s, 64, 0) for s in range(0, 448, 64)]
+  covered, _ = _contraction_walk(1000, depth=256, chunk=640)
+  assert (covered[:512] == 2560).all() and (covered[512:960] == 640).all()
   assert (covered[960:1024] == 641).all() and not covered[1024:].any()
+  covered, _ = _contraction_walk(1000, depth=256, chunk=320)
+  assert (covered[:960] == 640).all() and (covered[960:1024] == 641).all()
   with pytest.raises(ValueError, match="step_k must be a multiple of BLOCK_K"):
     kernels.MatmulTiles(16, 16, 2, 10, step_k=96)
 
@@ -337,7 +340,7 @@ def test_deep_steps_run_the_kernel_in_interpret_mode():
   want = np.asarray(lhs, np.float64)[0] @ np.asarray(rhs, np.float64)[0]
   deep = dataclasses.replace(kernels.INTERPRET_TILES, step_k=256)
   for transpose_b, operand in ((False, rhs), (True, jnp.swapaxes(rhs, 1, 2))):
-    for chunk in (None, 320):
+    for chunk in (None, 640):
       got = kernels.matmul(lhs, operand, transpose_b=transpose_b, out_dtype=jnp.float32,
                            precision=None, tiles=deep, interpret=True, contraction_chunk=chunk)
       assert relative_error(got[0], jnp.asarray(want, jnp.float32)) < 1e-6, (transpose_b, chunk)
@@ -971,6 +974,34 @@ def test_gpu_db_deterministic_and_unchanged_by_zero_cotangent_rows(k, n):
     zero_rows = jnp.concatenate([g[:m], jnp.zeros_like(g[m:])])
     _, db_padded = mm_grads(a, b, zero_rows)
     assert_bitwise_equal(db_padded, db, what=f"dB, M={m} plus {total - m} zero-cotangent rows")
+
+
+@pytest.mark.gpu
+def test_gpu_deep_steps_give_the_64_deep_bits():
+  """128- and 256-deep steps (``MatmulTiles.step_k``) give the 64-deep steps'
+  bits, in each tile's program and with the chunks split, over contractions
+  and chunks that end in a single deep step (run as 64-deep steps:
+  ``MIN_DEEP_STEPS``), in two, or in single and partial steps; NN and NT."""
+  rng = np.random.default_rng(10)
+  for rows, contraction, cols, chunk in ((8, 2944, 1328, 2816), (56, 3072, 1328, 2816),
+                                         (8, 2467, 1328, 1024), (56, 448, 96, None)):
+    lhs = random_normal(rng, (1, rows, contraction), jnp.bfloat16)
+    rhs = random_normal(rng, (1, contraction, cols), jnp.bfloat16)
+    for layout, operand in ((Layout.NN, rhs), (Layout.NT, jnp.swapaxes(rhs, 1, 2))):
+      for tiles, split in itertools.product(
+          (kernels.MatmulTiles(16, 16, 2, 10), kernels.MatmulTiles(64, 16, 4, 10)),
+          (False, True) if chunk else (False,)):
+        out_dtype = jnp.float32 if split else jnp.bfloat16
+        plans = [matmul_plan.Plan(Kernel.PALLAS_TRITON, kernels.fit_stages(
+                     dataclasses.replace(tiles, step_k=step_k), jnp.bfloat16, out_dtype),
+                                  contraction_chunk=chunk, split_chunks=split)
+                 for step_k in (kernels.BLOCK_K, kernels.STREAMED_STEP_K, kernels.DEEP_STEP_K)]
+        run = lambda p: matmul_plan.launch(p, lhs, operand, layout=layout,
+                                           out_dtype=jnp.bfloat16)
+        reference = run(plans[0])
+        for p in plans[1:]:
+          assert_bitwise_equal(run(p), reference, what=f"{layout.name} {rows} x {contraction} "
+                               f"x {cols} in chunks of {chunk}, {p.tiles} vs 64-deep steps")
 
 
 @pytest.mark.gpu
