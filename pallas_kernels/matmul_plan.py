@@ -129,6 +129,17 @@ MOSAIC_SPLIT_FILL = 0.5
 # alone (the rule before) 1.8%.
 LADDER_WAVE_FILL = 0.75
 LADDER_MIN_CONTRACTION = 1536
+# Where a row of the forward's or dA's lhs or rhs is not a whole number of
+# WORD_BYTES-byte words (16-bit operands of odd length: rows_miss_words), the
+# Triton tiles of at most GPU_ONE_ROW_OF_TILES rows take DEEP_STEP_K-deep steps:
+# Triton copies such rows synchronously, so each step waits out its loads'
+# latency, and deeper steps wait fewer times. On an H200 (benchmarks/results/
+# h100.md, forty-fifth section), at 37 random odd-length GEMMs of 1-64 rows the
+# 256-deep steps ran 1.33x as fast as 64-deep ones in geometric mean (0.88-2.14x,
+# slower at one), at 15 of 65-2048 rows on 64-row tiles 1.26x (0.96-1.70x); at
+# 14 whose rows are whole words but not 16-byte multiples, 0.85x (the rule
+# leaves them).
+WORD_BYTES = 4
 
 
 def fixed_contraction_chunk(layout: Layout, cols: int, contraction: int) -> int | None:
@@ -223,9 +234,8 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
     if mosaic_split:
       return Plan(Kernel.MOSAIC_GPU, mosaic_split, contraction_chunk=contraction_chunk,
                   split_chunks=True)
-    split_tiles = triton_tiles(layout, rows, cols, dtype, jnp.float32,
-                               cdiv(contraction, contraction_chunk), num_sms,
-                               contraction=contraction_chunk)
+    split_tiles = triton_tiles(layout, rows, cols, dtype, jnp.float32, num_sms=num_sms,
+                               contraction=contraction, split_chunk=contraction_chunk)
     return Plan(Kernel.PALLAS_TRITON, split_tiles, contraction_chunk=contraction_chunk,
                 split_chunks=True)
   ladder = triton_tiles(layout, rows, cols, dtype, out_dtype, groups, num_sms,
@@ -266,11 +276,14 @@ def ladder_keeps(ladder: MatmulTiles, mosaic_tiles: mosaic.HopperTiles, rows: in
 
 def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups: int = 1,
                  num_sms: int = pallas_triton.H100_SM_COUNT, *,
-                 contraction: int | None = None, chunked: bool = False) -> MatmulTiles:
+                 contraction: int | None = None, chunked: bool = False,
+                 split_chunk: int | None = None) -> MatmulTiles:
   """The Triton kernels' GPU tiles (pallas_kernels.matmul's tables) for ``groups``
   GEMMs of a [rows, cols] result on a GPU of ``num_sms`` SMs, over ``contraction``
   if known; ``chunked`` (a chunked contraction in each program) keeps to the
-  tiles whose accumulator fits twice (``holds_two_accumulators``).
+  tiles whose accumulator fits twice (``holds_two_accumulators``);
+  ``split_chunk``: the contraction in chunks of that length on programs of their
+  own (``Plan.split_chunks``), each chunk a problem of its own.
 
   dB's result is [K, N] of the weight: its tile never sees the token count.
   For the forward and dA: up to GPU_ONE_ROW_OF_TILES rows, the smallest
@@ -280,7 +293,9 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   programs of all groups / num_sms) and a program's time is its operand
   rows per contraction step (the few-row GEMMs these tiles serve stream their
   operands; ties go to the larger tile). The tile takes its ``one_wave_stages``
-  when the grid is a single wave; stages are fitted to shared memory. In a
+  when the grid is a single wave; stages are fitted to shared memory. Tiles of
+  at most GPU_ONE_ROW_OF_TILES rows over operand rows that are not whole words
+  (:func:`rows_miss_words`) take ``DEEP_STEP_K``-deep steps. Otherwise, in a
   single wave, the smallest stages (``DEEP_STEP_STAGE_BYTES``) over a long
   ``contraction`` take deeper steps (the Pallas Triton kernel's ``step_k``):
   ``DEEP_STEP_K`` where their stages hold it whole (NN: with
@@ -292,6 +307,10 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   """
   if layout is Layout.TN:
     return pallas_triton.fit_stages(pallas_triton.GPU_AT_B_TILES, dtype, out_dtype)
+  program_contraction = contraction
+  if split_chunk is not None:
+    groups *= cdiv(contraction, split_chunk)
+    program_contraction = split_chunk
   candidates = tuple(t for t in pallas_triton.GPU_MATMUL_LADDER
                      if not chunked or pallas_triton.holds_two_accumulators(t))
   if rows <= pallas_triton.GPU_ONE_ROW_OF_TILES:
@@ -305,25 +324,38 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
     return waves(tiles) * (tiles.block_m + tiles.block_n + pallas_triton.GPU_PROGRAM_OVERHEAD)
 
   tiles = min(candidates, key=estimated_time)
-  if waves(tiles) > 1:
-    return pallas_triton.fit_stages(tiles, dtype, out_dtype)
-  tiles = pallas_triton.fit_stages(
-      dataclasses.replace(tiles, num_stages=tiles.one_wave_stages or tiles.num_stages),
-      dtype, out_dtype)
-  if (contraction is None or contraction < pallas_triton.DEEP_STEP_MIN_CONTRACTION
-      or tiles.stage_bytes(dtype) > pallas_triton.DEEP_STEP_STAGE_BYTES):
-    return tiles
+  if waves(tiles) == 1:
+    tiles = dataclasses.replace(tiles, num_stages=tiles.one_wave_stages or tiles.num_stages)
 
   def stepped(step_k):
     return pallas_triton.fit_stages(dataclasses.replace(tiles, step_k=step_k), dtype, out_dtype)
 
+  if (contraction is not None and tiles.block_m <= pallas_triton.GPU_ONE_ROW_OF_TILES
+      and rows_miss_words(layout, cols, contraction, dtype)):
+    return stepped(pallas_triton.DEEP_STEP_K)
+  if waves(tiles) > 1:
+    return pallas_triton.fit_stages(tiles, dtype, out_dtype)
+  tiles = pallas_triton.fit_stages(tiles, dtype, out_dtype)
+  if (contraction is None or program_contraction < pallas_triton.DEEP_STEP_MIN_CONTRACTION
+      or tiles.stage_bytes(dtype) > pallas_triton.DEEP_STEP_STAGE_BYTES):
+    return tiles
+
   deep = stepped(pallas_triton.DEEP_STEP_K)
   spare = 0 if layout is Layout.NT else pallas_triton.DEEP_STEP_SPARE_STAGES
-  if cdiv(contraction, pallas_triton.DEEP_STEP_K) <= deep.num_stages - spare:
+  if cdiv(program_contraction, pallas_triton.DEEP_STEP_K) <= deep.num_stages - spare:
     return deep
   if mosaic.takes(layout, rows, cols, contraction):  # 16-byte rows: vector loads
     return stepped(pallas_triton.STREAMED_STEP_K)
   return tiles
+
+
+def rows_miss_words(layout: Layout, cols: int, contraction: int, dtype) -> bool:
+  """Whether a row of the forward's or dA's lhs or rhs (``dtype`` elements,
+  ``layout`` NN or NT) is not a whole number of 4-byte words: Triton copies no
+  such row asynchronously, so its loads wait out their latency at each step."""
+  itemsize = jnp.dtype(dtype).itemsize
+  minor_dims = (contraction,) if layout is Layout.NT else (contraction, cols)
+  return any(minor * itemsize % WORD_BYTES for minor in minor_dims)
 
 
 def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype, out_dtype,

@@ -266,7 +266,8 @@ def _in_row_strips(plan):
 
 def test_plan_interpret_and_backend_choices():
   """Interpret mode: one tile for every GEMM; backend="triton": jax-triton with the
-  tiles Pallas Triton would use; float32 and grouped GEMMs: Pallas Triton."""
+  tiles Pallas Triton would use, in BLOCK_K steps (it plans without the
+  contraction); float32 and grouped GEMMs: Pallas Triton."""
   for layout in Layout:
     for rows, cols, contraction in ((1, 1, 1), (300, 4096, 3000), (16411, 32000, 4096)):
       assert _plan(layout, rows, cols, contraction, interpret=True) == matmul_plan.Plan(
@@ -277,7 +278,7 @@ def test_plan_interpret_and_backend_choices():
       on_a100 = _plan(layout, rows, cols, contraction, device=matmul_plan.Device("gpu", "8.0"))
       jax_triton = _plan(layout, rows, cols, contraction, backend="triton")
       assert on_a100.kernel is Kernel.PALLAS_TRITON and jax_triton.kernel is Kernel.JAX_TRITON
-      assert jax_triton.tiles == on_a100.tiles
+      assert jax_triton.tiles == dataclasses.replace(on_a100.tiles, step_k=kernels.BLOCK_K)
   with pytest.raises(ValueError, match="backend must be one of"):
     _plan(Layout.NN, 1, 1, 1, backend="cublas")
 
@@ -572,19 +573,22 @@ def test_plan_keeps_the_ladder_where_it_streams_the_weight_once():
 
 
 def test_plan_triton_tile_rule():
-  """Every 16-bit Triton choice is a ladder tile at one of its stage counts,
-  float32 the same tile with fewer stages if needed to fit shared memory, up to
-  64 rows one row of tiles; dB's tile is one for every size."""
+  """Every 16-bit Triton choice is a ladder tile at one of its stage counts (or
+  its deep steps' where rows are of odd length, as n = 1's are), float32 the
+  same tile with fewer stages if needed to fit shared memory (its rows are
+  whole words: no deep steps), up to 64 rows one row of tiles; dB's tile is one
+  for every size."""
   launch_params = lambda t: (t.block_m, t.block_n, t.num_warps, t.num_stages)
-  configs = {launch_params(config) for config in _gpu_ladder_configs()}
+  configs = {launch_params(kernels.fit_stages(config, bf16, bf16))
+             for config in _gpu_ladder_configs(words_missed=True)}
   f32 = jnp.dtype(jnp.float32)
   for m in (1, 5, 16, 17, 64, 65, 128, 256, 1000, 4096):
     for n in (1, 100, 1000, 4096, 12288, 32000):
       half = _plan(Layout.NN, m, n, 64, groups=2).tiles
       single = _plan(Layout.NN, m, n, 64, f32, groups=2).tiles
       assert launch_params(half) in configs, (m, n, half)
-      assert (launch_params(single)[:3] == launch_params(half)[:3]
-              and single.num_stages <= half.num_stages)
+      assert launch_params(single)[:3] == launch_params(half)[:3]
+      assert single.num_stages <= half.num_stages or single.step_k < half.step_k
       assert single.stage_bytes(f32) * single.num_stages <= kernels.GPU_SHARED_MEMORY_BYTES
       assert m > kernels.GPU_ONE_ROW_OF_TILES or half.block_m >= m, (m, n, half)
       assert _plan(Layout.TN, m, n, 64, groups=2).tiles == kernels.GPU_AT_B_TILES
@@ -630,6 +634,18 @@ def test_plan_triton_ladder_picks():
   assert depth(16, 1536, 2048, groups=2) == depth(31, 1536, 2048) == 64
   assert _plan(Layout.NN, 16, 1536, 2048, backend="triton").tiles.step_k == 64
   assert _plan(Layout.NN, 16, 1536, 2048, jnp.float32).tiles.step_k == 64
+  # Operand rows that are not whole 4-byte words (an odd length of 16-bit
+  # elements) take 256-deep steps on tiles of at most 64 rows, whatever the
+  # waves and the contraction (NN: K or N odd; NT: K odd); rows of whole words
+  # keep the rules above, and so do 128-row tiles and float32.
+  assert depth(1, 2048, 2187) == depth(7, 727, 3456) == depth(64, 4097, 300) == 256
+  assert depth(16, 1481, 2187, groups=4) == depth(300, 1205, 8320) == 256
+  assert depth(2, 727, 3456, layout=Layout.NT) == 64 != depth(2, 3456, 727, layout=Layout.NT)
+  assert depth(1, 4258, 1536) == depth(16, 2050, 4100) == 64
+  assert matmul_plan.triton_tiles(Layout.NN, 2048, 1205, bf16, bf16, contraction=8320).step_k == 64
+  assert _plan(Layout.NN, 7, 727, 3456, jnp.float32).tiles.step_k == 64
+  split = _plan(Layout.NN, 7, 727, 3457)
+  assert split.split_chunks and split.tiles.step_k == 256
   # Waves are the device's: 128 programs of 16 x 32 are two waves on 108 SMs.
   on_108_sms = _plan(Layout.NN, 16, 4096, 2048, device=matmul_plan.Device("gpu", "8.0", 108))
   assert (on_108_sms.tiles.block_n, on_108_sms.tiles.num_stages) == (64, 10)
@@ -811,16 +827,23 @@ def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
         jax.jit(split).trace(sd(lhs, bf16), sd(rhs, bf16)).lower(lowering_platforms=("cuda",))
 
 
-def _gpu_ladder_configs():
+def _gpu_ladder_configs(words_missed: bool = False):
   """Every ladder tile, with its usual stage count and its one-wave stage count,
   and those whose stages are small enough with DEEP_STEP_K- and
-  STREAMED_STEP_K-deep steps too."""
+  STREAMED_STEP_K-deep steps too; with ``words_missed`` (operand rows that are
+  not whole words: ``matmul_plan.rows_miss_words``) every tile of at most
+  GPU_ONE_ROW_OF_TILES rows with DEEP_STEP_K-deep steps too."""
   configs = [config for tiles in kernels.GPU_MATMUL_LADDER
              for config in (tiles, dataclasses.replace(tiles, num_stages=tiles.one_wave_stages))
              if config.num_stages]
-  return configs + [dataclasses.replace(config, step_k=step_k) for config in configs
-                    for step_k in (kernels.DEEP_STEP_K, kernels.STREAMED_STEP_K)
-                    if config.stage_bytes(bf16) <= kernels.DEEP_STEP_STAGE_BYTES]
+  deep = [dataclasses.replace(config, step_k=step_k) for config in configs
+          for step_k in (kernels.DEEP_STEP_K, kernels.STREAMED_STEP_K)
+          if config.stage_bytes(bf16) <= kernels.DEEP_STEP_STAGE_BYTES]
+  if words_missed:
+    deep += [dataclasses.replace(config, step_k=kernels.DEEP_STEP_K) for config in configs
+             if config.block_m <= kernels.GPU_ONE_ROW_OF_TILES
+             and config.stage_bytes(bf16) > kernels.DEEP_STEP_STAGE_BYTES]
+  return configs + deep
 
 
 def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, device=None):
@@ -833,8 +856,8 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
   contraction with the chunks split too. ``device``: the plan's (default: the
   current one)."""
   chunk = matmul_plan.fixed_contraction_chunk(layout, cols, contraction)
-  ladder = (_gpu_ladder_configs() if layout is not Layout.TN
-            else [kernels.GPU_AT_B_TILES, *kernels.GPU_MATMUL_LADDER])
+  ladder = (_gpu_ladder_configs(matmul_plan.rows_miss_words(layout, cols, contraction, dtype))
+            if layout is not Layout.TN else [kernels.GPU_AT_B_TILES, *kernels.GPU_MATMUL_LADDER])
   plans = [matmul_plan.Plan(Kernel.PALLAS_TRITON, kernels.fit_stages(t, dtype, dtype),
                             contraction_chunk=chunk)
            for t in ladder if chunk is None or kernels.holds_two_accumulators(t)]
@@ -883,8 +906,8 @@ def test_envelope_plan_list_holds_every_plan_choice():
   covers every kernel and tile the plan can choose, grouped GEMMs' included."""
   for layout, groups in itertools.product(Layout, (1, 8)):
     for rows in (1, 16, 64, 129, 200, 300, 1000, 4096):
-      for cols in (192, 1000, 3000, 4096, 32000):
-        for contraction in (300, 1000, 2048, 3000, 4096, 6144):
+      for cols in (192, 727, 1000, 3000, 4096, 32000):
+        for contraction in (300, 1000, 2048, 2187, 3000, 4096, 6144):
           chosen = _plan(layout, rows, cols, contraction, groups=groups)
           assert chosen in _every_plan(layout, rows, cols, contraction, bf16, device=H100), (
               layout, groups, rows, cols, contraction, chosen)
@@ -904,9 +927,10 @@ def _plans_taken(rows_limit: int, cols: int, contraction: int, layout) -> dict:
 # those it takes for that weight: aligned, unaligned K and N, and 64 columns.
 EVERY_PLAN_KN = ((4096, 4096), (1000, 3000), (64, 192))
 # And the weights at which it compares the plans jdet.matmul takes: the mirrored
-# unaligned weight, a long contraction, a 64-misaligned result, few columns.
+# unaligned weight, a long contraction, a 64-misaligned result, few columns, and
+# rows of odd length (deep steps, chunks that end in a single deep step).
 ENVELOPE_KN = EVERY_PLAN_KN + ((3000, 1000), (14336, 4096), (5120, 13824), (192, 320),
-                               (4096, 512))
+                               (4096, 512), (3373, 727))
 
 
 def _gpu_every_kernel_agrees(k, n, dtype=jnp.bfloat16):
