@@ -560,14 +560,8 @@ def takes(layout: Layout, rows: int, cols: int, contraction: int) -> bool:
   """Whether :func:`matmul` takes a rows x cols result over ``contraction`` in
   ``layout``: every operand's and the result's minor dimension a multiple of
   ``TMA_PITCH``. Nothing is copied."""
-  lhs_minor, _ = _minor_dims(layout, rows, cols, contraction)
+  lhs_minor, _ = layout.minor_dims(rows, cols, contraction)
   return lhs_minor % TMA_PITCH == 0 and cols % TMA_PITCH == 0
-
-
-def _minor_dims(layout: Layout, rows: int, cols: int, contraction: int) -> tuple[int, int]:
-  """The lhs's and the rhs's minor (contiguous) dimensions."""
-  return (rows if layout is Layout.TN else contraction,
-          contraction if layout is Layout.NT else cols)
 
 
 # A 128-byte line holds this many 16-bit elements.
@@ -577,7 +571,7 @@ LINE_ELEMENTS = 64
 def lines_aligned(layout: Layout, rows: int, cols: int, contraction: int) -> tuple[bool, bool]:
   """Whether each row of the 16-bit lhs, and of the rhs, starts on a 128-byte
   line: its minor dimension a multiple of ``LINE_ELEMENTS``."""
-  lhs_minor, rhs_minor = _minor_dims(layout, rows, cols, contraction)
+  lhs_minor, rhs_minor = layout.minor_dims(rows, cols, contraction)
   return lhs_minor % LINE_ELEMENTS == 0, rhs_minor % LINE_ELEMENTS == 0
 
 

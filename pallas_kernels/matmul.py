@@ -60,6 +60,11 @@ class Layout(enum.Enum):
   NT = "a @ b.T"      # lhs [rows, K], rhs [cols, K] (dA = dC @ Bᵀ)
   TN = "a.T @ b"      # lhs [K, rows], rhs [K, cols] (dB = Aᵀ @ dC; K is the token count)
 
+  def minor_dims(self, rows: int, cols: int, contraction: int) -> tuple[int, int]:
+    """The lhs's and the rhs's minor (contiguous) dimensions."""
+    return (rows if self is Layout.TN else contraction,
+            contraction if self is Layout.NT else cols)
+
 
 @dataclasses.dataclass(frozen=True)
 class MatmulTiles:

@@ -331,12 +331,12 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
     return pallas_triton.fit_stages(dataclasses.replace(tiles, step_k=step_k), dtype, out_dtype)
 
   if (contraction is not None and tiles.block_m <= pallas_triton.GPU_ONE_ROW_OF_TILES
-      and rows_miss_words(layout, cols, contraction, dtype)):
+      and rows_miss_words(layout, rows, cols, contraction, dtype)):
     return stepped(pallas_triton.DEEP_STEP_K)
   if waves(tiles) > 1:
     return pallas_triton.fit_stages(tiles, dtype, out_dtype)
   tiles = pallas_triton.fit_stages(tiles, dtype, out_dtype)
-  if (contraction is None or program_contraction < pallas_triton.DEEP_STEP_MIN_CONTRACTION
+  if (program_contraction is None or program_contraction < pallas_triton.DEEP_STEP_MIN_CONTRACTION
       or tiles.stage_bytes(dtype) > pallas_triton.DEEP_STEP_STAGE_BYTES):
     return tiles
 
@@ -349,13 +349,14 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   return tiles
 
 
-def rows_miss_words(layout: Layout, cols: int, contraction: int, dtype) -> bool:
-  """Whether a row of the forward's or dA's lhs or rhs (``dtype`` elements,
-  ``layout`` NN or NT) is not a whole number of 4-byte words: Triton copies no
-  such row asynchronously, so its loads wait out their latency at each step."""
+def rows_miss_words(layout: Layout, rows: int, cols: int, contraction: int, dtype) -> bool:
+  """Whether a row of the lhs or the rhs (``dtype`` elements, ``layout``'s
+  minor dimensions) is not a whole number of WORD_BYTES-byte words: Triton
+  copies no such row asynchronously, so its loads wait out their latency at
+  each step."""
   itemsize = jnp.dtype(dtype).itemsize
-  minor_dims = (contraction,) if layout is Layout.NT else (contraction, cols)
-  return any(minor * itemsize % WORD_BYTES for minor in minor_dims)
+  return any(minor * itemsize % WORD_BYTES
+             for minor in layout.minor_dims(rows, cols, contraction))
 
 
 def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype, out_dtype,

@@ -856,8 +856,9 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
   contraction with the chunks split too. ``device``: the plan's (default: the
   current one)."""
   chunk = matmul_plan.fixed_contraction_chunk(layout, cols, contraction)
-  ladder = (_gpu_ladder_configs(matmul_plan.rows_miss_words(layout, cols, contraction, dtype))
-            if layout is not Layout.TN else [kernels.GPU_AT_B_TILES, *kernels.GPU_MATMUL_LADDER])
+  words_missed = matmul_plan.rows_miss_words(layout, rows, cols, contraction, dtype)
+  ladder = (_gpu_ladder_configs(words_missed) if layout is not Layout.TN
+            else [kernels.GPU_AT_B_TILES, *kernels.GPU_MATMUL_LADDER])
   plans = [matmul_plan.Plan(Kernel.PALLAS_TRITON, kernels.fit_stages(t, dtype, dtype),
                             contraction_chunk=chunk)
            for t in ladder if chunk is None or kernels.holds_two_accumulators(t)]
