@@ -49,7 +49,6 @@ LADDER_CANDIDATES = {
     1024: [T(128, 256, 8, s) for s in (3, 4)] + [T(128, 128, 8, s) for s in (3, 4, 5)]
           + [T(128, 128, 4, 4), T(64, 256, 4, 4), T(256, 128, 8, 3), T(128, 64, 4, 5)],
 }
-AT_B_CANDIDATES = (T(128, 256, 8, 3), T(128, 128, 8, 3), T(64, 256, 4, 3))
 COPIES = 3  # rotate B so that it does not sit in the 50 MB L2
 H = hopper.HopperTiles
 HOPPER_CANDIDATES = (H(strip_dim=1, strip_width=1), H(strip_dim=1, strip_width=8),
@@ -188,17 +187,21 @@ def ladder_sweep(m_values, weights=HOPPER_KN):
 
 
 def at_b_sweep(m=1024):
-  """dB (Triton kernel) tiles at one M: they may depend on K and N only."""
-  print("| pass | M | K | N | tiles | us | XLA us | XLA/jdet |\n" + "|---" * 8 + "|")
+  """dB (Triton kernel) at one M, each ladder tile at its own stages: they may depend
+  on K and N only (the plan's pick is marked)."""
+  print("| pass | M | K | N | tiles | plan's | us | XLA us | XLA/jdet |\n" + "|---" * 9 + "|")
   for k, n in HOPPER_KN:
     a = random_normal(0, (1, m, k), jnp.bfloat16)
     d = random_normal(2, (1, m, n), jnp.bfloat16)
     xla = bench.time_us(lambda x, y: jnp.dot(x.T, y), [(a[0], d[0])])
-    for tiles in AT_B_CANDIDATES:
+    picked = matmul_plan.triton_tiles(Layout.TN, k, n, bf16, bf16)
+    for tiles in kernels.GPU_MATMUL_LADDER:
+      tiles = kernels.fit_stages(tiles, bf16, bf16)
       fn = functools.partial(kernels.matmul_at_b, out_dtype=jnp.bfloat16, precision=None,
                              tiles=tiles, interpret=False)
       us = bench.time_us(fn, [(a, d)])
-      print(f"| dB | {m} | {k} | {n} | {tiles} | {us:.1f} | {xla:.1f} | {xla / us:.2f} |",
+      print(f"| dB | {m} | {k} | {n} | {tiles} | {'yes' if tiles == picked else ''} | "
+            f"{us:.1f} | {xla:.1f} | {xla / us:.2f} |",
             flush=True)
 
 

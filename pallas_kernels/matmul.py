@@ -185,10 +185,6 @@ def holds_two_accumulators(tiles) -> bool:
   its accumulator takes at most CHUNK_ACCUMULATOR_REGISTERS registers a thread."""
   return tiles.accumulator_registers <= CHUNK_ACCUMULATOR_REGISTERS
 
-# dB = Aᵀ @ D tiles on the GPU: the output is [K, N], so they never depend on the
-# row count (`tune_matmul.py --at-b`; notes/h100_notebook.md, "GEMM tile sweep").
-GPU_AT_B_TILES = MatmulTiles(128, 256, 8, 3)
-
 # Interpret mode (CPU): one tile for every shape. XLA:CPU may pick a different
 # dot algorithm per block shape, so the CPU path never varies the tile.
 INTERPRET_TILES = MatmulTiles(32, 32, 4, 1)

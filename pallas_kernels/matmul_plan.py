@@ -285,15 +285,17 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   ``split_chunk``: the contraction in chunks of that length on programs of their
   own (``Plan.split_chunks``), each chunk a problem of its own.
 
-  dB's result is [K, N] of the weight: its tile never sees the token count.
-  For the forward and dA: up to GPU_ONE_ROW_OF_TILES rows, the smallest
-  block_m that holds every row (one row of tiles, so the weight streams from
-  memory once); above, any ladder tile. Of those, the least estimated time:
+  Up to GPU_ONE_ROW_OF_TILES rows, the smallest block_m that holds every row
+  (one row of tiles, so the weight streams from memory once); above, any ladder
+  tile. Of those, the least estimated time:
   waves x (block_m + block_n + GPU_PROGRAM_OVERHEAD), where waves = ceil(the
   programs of all groups / num_sms) and a program's time is its operand
   rows per contraction step (the few-row GEMMs these tiles serve stream their
-  operands; ties go to the larger tile). The tile takes its ``one_wave_stages``
-  when the grid is a single wave; stages are fitted to shared memory. Tiles of
+  operands; ties go to the larger tile). dB (TN) takes that tile for its
+  [K, N] result with the tile's own stages: its contraction is the token count,
+  which its tile never sees, so nothing else applies. The forward and dA take the
+  tile's ``one_wave_stages`` when the grid is a single wave; stages are fitted
+  to shared memory. Tiles of
   at most GPU_ONE_ROW_OF_TILES rows over operand rows that are not whole words
   (:func:`rows_miss_words`) take ``DEEP_STEP_K``-deep steps. Otherwise, in a
   single wave, the smallest stages (``DEEP_STEP_STAGE_BYTES``) over a long
@@ -305,8 +307,6 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   the jax-triton kernel and the PyTorch interop plan without ``contraction``, so
   with ``BLOCK_K`` steps).
   """
-  if layout is Layout.TN:
-    return pallas_triton.fit_stages(pallas_triton.GPU_AT_B_TILES, dtype, out_dtype)
   program_contraction = contraction
   if split_chunk is not None:
     groups *= cdiv(contraction, split_chunk)
@@ -324,6 +324,8 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
     return waves(tiles) * (tiles.block_m + tiles.block_n + pallas_triton.GPU_PROGRAM_OVERHEAD)
 
   tiles = min(candidates, key=estimated_time)
+  if layout is Layout.TN:
+    return pallas_triton.fit_stages(tiles, dtype, out_dtype)
   if waves(tiles) == 1:
     tiles = dataclasses.replace(tiles, num_stages=tiles.one_wave_stages or tiles.num_stages)
 

@@ -576,8 +576,8 @@ def test_plan_triton_tile_rule():
   """Every 16-bit Triton choice is a ladder tile at one of its stage counts (or
   its deep steps' where rows are of odd length, as n = 1's are), float32 the
   same tile with fewer stages if needed to fit shared memory (its rows are
-  whole words: no deep steps), up to 64 rows one row of tiles; dB's tile is one
-  for every size."""
+  whole words: no deep steps), up to 64 rows one row of tiles; dB's tile is the
+  forward's pick for its [K, N] result, at the ladder tile's own stages."""
   launch_params = lambda t: (t.block_m, t.block_n, t.num_warps, t.num_stages)
   configs = {launch_params(kernels.fit_stages(config, bf16, bf16))
              for config in _gpu_ladder_configs(words_missed=True)}
@@ -591,7 +591,10 @@ def test_plan_triton_tile_rule():
       assert single.num_stages <= half.num_stages or single.step_k < half.step_k
       assert single.stage_bytes(f32) * single.num_stages <= kernels.GPU_SHARED_MEMORY_BYTES
       assert m > kernels.GPU_ONE_ROW_OF_TILES or half.block_m >= m, (m, n, half)
-      assert _plan(Layout.TN, m, n, 64, groups=2).tiles == kernels.GPU_AT_B_TILES
+      at_b = _plan(Layout.TN, m, n, 64, groups=2).tiles
+      assert launch_params(at_b)[:3] == launch_params(
+          matmul_plan.triton_tiles(Layout.NN, m, n, bf16, bf16, 2))[:3], (m, n, at_b)
+      assert at_b in {kernels.fit_stages(t, bf16, bf16) for t in kernels.GPU_MATMUL_LADDER}
 
 
 def test_plan_triton_ladder_picks():
@@ -618,6 +621,12 @@ def test_plan_triton_ladder_picks():
   assert pick(2048, 4100, Layout.NT) == (128, 128, 8, 3)       # a Triton-only pitch
   # 64 experts' 16-row GEMMs fill 6 waves with 16 x 128 tiles; one alone takes 16 x 16.
   assert pick(16, 1536, groups=64) == (16, 128, 4, 4)
+  # dB: the same rule over its [K, N] result, at the tiles' own stages (on an H200 at
+  # 819 and 1775 rows, 1.9x and 2.7x faster than one 128 x 256 tile for every size;
+  # benchmarks/results/h100.md, forty-seventh session).
+  assert pick(440, 1059, Layout.TN) == (64, 64, 4, 4)
+  assert pick(482, 464, Layout.TN) == (64, 32, 4, 6)
+  assert pick(2080, 5625, Layout.TN) == (128, 256, 8, 3)
   # A one-wave grid of 16 x 16 stages over a contraction of at least 2048 loads it
   # in 256-deep steps where its 10 stages hold them all (NN: 8 of them, at most
   # 2048; the expert 16-22% faster on the H100), else in 128-deep steps where
@@ -858,7 +867,7 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
   chunk = matmul_plan.fixed_contraction_chunk(layout, cols, contraction)
   words_missed = matmul_plan.rows_miss_words(layout, rows, cols, contraction, dtype)
   ladder = (_gpu_ladder_configs(words_missed) if layout is not Layout.TN
-            else [kernels.GPU_AT_B_TILES, *kernels.GPU_MATMUL_LADDER])
+            else list(kernels.GPU_MATMUL_LADDER))
   plans = [matmul_plan.Plan(Kernel.PALLAS_TRITON, kernels.fit_stages(t, dtype, dtype),
                             contraction_chunk=chunk)
            for t in ladder if chunk is None or kernels.holds_two_accumulators(t)]
