@@ -192,6 +192,22 @@ def test_gpu_triton_under_vmap_and_harness(jax_triton):
 
 
 @pytest.mark.gpu
+def test_gpu_triton_db_every_ladder_tile_equals_pallas(jax_triton):
+  """dB (Aᵀ @ D) picks any ladder tile for its [K, N] result: on each, the
+  Triton kernel gives the Pallas kernel's bits, over a partial last 64-row step
+  and partial edge tiles."""
+  rng = np.random.default_rng(14)
+  a, d = random_normal(rng, (1, 201, 150), jnp.bfloat16), random_normal(rng, (1, 201, 300),
+                                                                        jnp.bfloat16)
+  for tiles in kernels.GPU_MATMUL_LADDER:
+    tiles = kernels.fit_stages(tiles, jnp.bfloat16, jnp.float32)
+    got = triton_backend.matmul_at_b(a, d, out_dtype=jnp.float32, precision=None, tiles=tiles)
+    want = kernels.matmul_at_b(a, d, out_dtype=jnp.float32, precision=None, tiles=tiles,
+                               interpret=False)
+    assert_bitwise_equal(got, want, what=f"dB on {tiles}")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("precision", [None, jax.lax.Precision.HIGHEST])
 def test_gpu_triton_float32_equals_pallas(jax_triton, precision):
   rng = np.random.default_rng(13)
