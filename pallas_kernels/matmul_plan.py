@@ -286,19 +286,18 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   own (``Plan.split_chunks``), each chunk a problem of its own.
 
   Up to GPU_ONE_ROW_OF_TILES rows, the smallest block_m that holds every row
-  (one row of tiles, so the weight streams from memory once); above, any ladder
-  tile. Of those, the least estimated time:
+  (for the forward and dA one row of tiles, so the weight streams from memory
+  once); above, any ladder tile. Of those, the least estimated time:
   waves x (block_m + block_n + GPU_PROGRAM_OVERHEAD), where waves = ceil(the
   programs of all groups / num_sms) and a program's time is its operand
   rows per contraction step (the few-row GEMMs these tiles serve stream their
   operands; ties go to the larger tile). dB (TN) takes that tile for its
   [K, N] result with the tile's own stages: its contraction is the token count,
-  which its tile never sees, so nothing else applies. The forward and dA take the
-  tile's ``one_wave_stages`` when the grid is a single wave; stages are fitted
-  to shared memory. Tiles of
-  at most GPU_ONE_ROW_OF_TILES rows over operand rows that are not whole words
-  (:func:`rows_miss_words`) take ``DEEP_STEP_K``-deep steps. Otherwise, in a
-  single wave, the smallest stages (``DEEP_STEP_STAGE_BYTES``) over a long
+  which its tile never sees, so nothing else applies. The forward and dA take
+  the tile's ``one_wave_stages`` when the grid is a single wave; stages are
+  fitted to shared memory. Tiles of at most GPU_ONE_ROW_OF_TILES rows over
+  operand rows that are not whole words (:func:`rows_miss_words`) take
+  ``DEEP_STEP_K``-deep steps. Otherwise, in a single wave, the smallest stages (``DEEP_STEP_STAGE_BYTES``) over a long
   ``contraction`` take deeper steps (the Pallas Triton kernel's ``step_k``):
   ``DEEP_STEP_K`` where their stages hold it whole (NN: with
   ``DEEP_STEP_SPARE_STAGES`` to spare), else ``STREAMED_STEP_K`` where every
