@@ -25,8 +25,9 @@ from jdet.matmul import BACKENDS
 
 def plot_ratio_vs_m(table: list[bench.Row], path: str) -> None:
   """One panel per pass measured, one line per backend and (K, N): XLA time / jdet
-  time against M (log scale); Triton-backend lines are dashed. A case listed twice
-  is plotted from its first row (results files put the newest table first)."""
+  time against M (log scale), one color (and marker) per (K, N) in every panel, the
+  legend that of the fullest panel; Triton-backend lines are dashed. A case listed
+  twice is plotted from its first row (results files put the newest table first)."""
   import matplotlib
   matplotlib.use("Agg")
   from matplotlib import pyplot as plt
@@ -34,6 +35,8 @@ def plot_ratio_vs_m(table: list[bench.Row], path: str) -> None:
   fig, axes = plt.subplots(1, len(passes), figsize=(7 * len(passes) + 3, 5), sharey=True,
                            squeeze=False)
   colors = plt.get_cmap("tab20").colors
+  shapes = sorted({tuple(int(part.split("=")[1]) for part in row.case.split()[1:])
+                   for row in table})  # one color per (K, N) in every panel
   for ax, pass_ in zip(axes[0], passes):
     series, seen = {}, set()
     for row in table:
@@ -41,17 +44,19 @@ def plot_ratio_vs_m(table: list[bench.Row], path: str) -> None:
         seen.add((row.op, row.case))
         m, k, n = (int(part.split("=")[1]) for part in row.case.split())
         series.setdefault((row.op, k, n), []).append((m, row.speedup))
-    shapes = sorted({(k, n) for _, k, n in series})
     for (op, k, n), points in sorted(series.items()):
-      style = "o-" if op == "matmul" else "x--"
-      ax.plot(*zip(*sorted(points)), style, ms=3, color=colors[shapes.index((k, n)) % 20],
+      index = shapes.index((k, n))
+      style = ("o" if index < 20 else "s") + ("-" if op == "matmul" else "--")
+      ax.plot(*zip(*sorted(points)), style, ms=3, color=colors[index % 20],
               label=f"{op} K={k} N={n}")
     ax.set_xscale("log", base=2)
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xlabel("M (rows)")
     ax.set_title(f"jdet.matmul {pass_}, bf16")
   axes[0, 0].set_ylabel("XLA time / jdet time")
-  axes[0, -1].legend(fontsize=7, loc="center left", bbox_to_anchor=(1.02, 0.5))
+  fullest = max(axes[0], key=lambda ax: len(ax.get_lines()))
+  axes[0, -1].legend(*fullest.get_legend_handles_labels(), fontsize=7, loc="center left",
+                     bbox_to_anchor=(1.02, 0.5))
   fig.tight_layout()
   fig.savefig(path, dpi=110)
 
