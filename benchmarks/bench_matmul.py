@@ -87,7 +87,8 @@ def main():
                       help="with --grid: passes to time (repeatable; default fwd)")
   parser.add_argument("--min-m", type=int, default=1, help="with --grid: skip smaller M")
   parser.add_argument("--copies", type=int, default=2,
-                      help="with --grid: input sets per case (fewer compile faster)")
+                      help="with --grid: input sets per case (fewer compile faster, but where "
+                           "all the sets fit in L2 they stay there between calls)")
   parser.add_argument("--from-results", metavar="MD",
                       help="plot rows recorded in a results file instead of measuring")
   args = parser.parse_args()

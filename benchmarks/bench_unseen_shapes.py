@@ -108,7 +108,8 @@ def main():
   parser.add_argument("--part", choices=list(PARTS), action="append",
                       help="only these cases (repeatable); default: all")
   parser.add_argument("--copies", type=int, default=2,
-                      help="input sets per case (fewer compile faster)")
+                      help="input sets per case (fewer compile faster, but where "
+                           "all the sets fit in L2 they stay there between calls)")
   args = parser.parse_args()
   for part in args.part or PARTS:
     bench.report(f"unseen shapes: {part}", PARTS[part](), most_copies=args.copies)
