@@ -194,7 +194,9 @@ def at_b_sweep(m=1024):
     a = random_normal(0, (1, m, k), jnp.bfloat16)
     d = random_normal(2, (1, m, n), jnp.bfloat16)
     xla = bench.time_us(lambda x, y: jnp.dot(x.T, y), [(a[0], d[0])])
-    picked = matmul_plan.triton_tiles(Layout.TN, k, n, bf16, bf16)
+    picked = matmul_plan.triton_tiles(
+        Layout.TN, k, n, bf16, bf16,
+        num_sms=matmul_plan.Device.current().sm_count or kernels.H100_SM_COUNT)
     for tiles in kernels.GPU_MATMUL_LADDER:
       tiles = kernels.fit_stages(tiles, bf16, bf16)
       fn = functools.partial(kernels.matmul_at_b, out_dtype=jnp.bfloat16, precision=None,
