@@ -193,25 +193,46 @@ INTERPRET_TILES = MatmulTiles(32, 32, 4, 1)
 # Shared memory a Triton program may use on the H100 (232,448 bytes reported by
 # the driver), less headroom for the compiler's own scratch.
 GPU_SHARED_MEMORY_BYTES = 224 * 1024
+# Programs that run on one SM at once share its shared memory (233,472 bytes on
+# the H100 and the H200), of which the driver keeps GPU_PROGRAM_RESERVED_SHARED_BYTES
+# for each program.
+GPU_SM_SHARED_MEMORY_BYTES = 228 * 1024
+GPU_PROGRAM_RESERVED_SHARED_BYTES = 1024
+# A forward or dA grid of more programs than SMs gives each SM its share of them
+# at stages they fit at together, if at least RESIDENT_MIN_STAGES stages remain
+# (``matmul_plan.triton_tiles``); a grid just past what fits at the tile's own
+# stages runs a tail of programs after the rest. On an H200 at 31 and 64 rows
+# (benchmarks/results/h100.md, forty-ninth section): 296 programs of 64 x 128 at 3
+# stages (three to an SM) ran 1.00-1.04x of cuBLAS where 4 stages (two to an SM)
+# ran 0.78-0.85x; 448 of 64 x 64 at 3 stages 0.96-0.97x against 0.71-0.76x at 4;
+# two stages were 2-26% slower than three where both fit.
+RESIDENT_MIN_STAGES = 3
 
 
-def stages_that_fit(wanted: int, stage_bytes: int, reserved_bytes: int = 0) -> int:
+def stages_that_fit(wanted: int, stage_bytes: int, reserved_bytes: int = 0,
+                    programs_per_sm: int = 1) -> int:
   """The most pipeline stages, at most ``wanted``, whose ``stage_bytes`` each fit in
-  GPU_SHARED_MEMORY_BYTES beside ``reserved_bytes``: the one shared-memory rule of
-  every kernel. Stages only change how far ahead blocks load, never the sums."""
-  return max(1, min(wanted, (GPU_SHARED_MEMORY_BYTES - reserved_bytes) // stage_bytes))
+  GPU_SHARED_MEMORY_BYTES beside ``reserved_bytes``, and, for ``programs_per_sm``
+  programs sharing an SM, in their share of GPU_SM_SHARED_MEMORY_BYTES: the one
+  shared-memory rule of every kernel. Stages only change how far ahead blocks
+  load, never the sums."""
+  budget = min(GPU_SHARED_MEMORY_BYTES,
+               GPU_SM_SHARED_MEMORY_BYTES // programs_per_sm - GPU_PROGRAM_RESERVED_SHARED_BYTES)
+  return max(1, min(wanted, (budget - reserved_bytes) // stage_bytes))
 
 
-def fit_stages(tiles, dtype, out_dtype):
+def fit_stages(tiles, dtype, out_dtype, programs_per_sm: int = 1):
   """``tiles`` (any GEMM kernel's: ``MatmulTiles``, ``hopper_matmul.HopperTiles``)
   with ``num_stages`` lowered until the pipelined operand blocks of ``dtype``
-  fit in shared memory beside the kernel's ``out_dtype`` buffers.
+  fit in shared memory beside the kernel's ``out_dtype`` buffers, for
+  ``programs_per_sm`` programs on one SM at once.
 
   The bf16 Triton tiles fit as they are, float32 needs fewer stages for
   128 x 256; the Mosaic GPU kernel fits 4 stages of its largest tile.
   """
   return dataclasses.replace(tiles, num_stages=stages_that_fit(
-      tiles.num_stages, tiles.stage_bytes(dtype), tiles.reserved_bytes(out_dtype)))
+      tiles.num_stages, tiles.stage_bytes(dtype), tiles.reserved_bytes(out_dtype),
+      programs_per_sm))
 
 
 def tile_coords(t, num_m: int, num_n: int, group_m: int):

@@ -294,8 +294,10 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   operands; ties go to the larger tile). dB (TN) takes that tile for its
   [K, N] result with the tile's own stages: its contraction is the token count,
   which its tile never sees, so nothing else applies. The forward and dA take
-  the tile's ``one_wave_stages`` when the grid is a single wave; stages are
-  fitted to shared memory. Tiles of at most GPU_ONE_ROW_OF_TILES rows over
+  the tile's ``one_wave_stages`` when the grid is a single wave; over more
+  waves, stages at which each SM's share of the programs (``waves``) fit its
+  shared memory together, where at least ``RESIDENT_MIN_STAGES`` remain;
+  stages are fitted to shared memory. Tiles of at most GPU_ONE_ROW_OF_TILES rows over
   operand rows that are not whole words (:func:`rows_miss_words`) take
   ``DEEP_STEP_K``-deep steps. Otherwise, in a single wave, the smallest stages
   (``DEEP_STEP_STAGE_BYTES``) over a long ``contraction`` take deeper steps
@@ -336,6 +338,9 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
       and rows_miss_words(layout, rows, cols, contraction, dtype)):
     return stepped(pallas_triton.DEEP_STEP_K)
   if waves(tiles) > 1:
+    resident = pallas_triton.fit_stages(tiles, dtype, out_dtype, programs_per_sm=waves(tiles))
+    if resident.num_stages >= pallas_triton.RESIDENT_MIN_STAGES:
+      return resident
     return pallas_triton.fit_stages(tiles, dtype, out_dtype)
   tiles = pallas_triton.fit_stages(tiles, dtype, out_dtype)
   if (program_contraction is None or program_contraction < pallas_triton.DEEP_STEP_MIN_CONTRACTION

@@ -576,7 +576,8 @@ def test_plan_triton_tile_rule():
   """Every 16-bit Triton choice is a ladder tile at one of its stage counts (or
   its deep steps' where rows are of odd length, as n = 1's are), float32 the
   same tile with fewer stages if needed to fit shared memory (its rows are
-  whole words: no deep steps), up to 64 rows one row of tiles; dB's tile is the
+  whole words: no deep steps; past one wave it may keep its own stages where
+  too few would let its programs share the SMs), up to 64 rows one row of tiles; dB's tile is the
   forward's pick for its [K, N] result, at the ladder tile's own stages."""
   launch_params = lambda t: (t.block_m, t.block_n, t.num_warps, t.num_stages)
   configs = {launch_params(kernels.fit_stages(config, bf16, bf16))
@@ -588,7 +589,9 @@ def test_plan_triton_tile_rule():
       single = _plan(Layout.NN, m, n, 64, f32, groups=2).tiles
       assert launch_params(half) in configs, (m, n, half)
       assert launch_params(single)[:3] == launch_params(half)[:3]
-      assert single.num_stages <= half.num_stages or single.step_k < half.step_k
+      own_stages = kernels.fit_stages(_ladder_tile(half), f32, f32).num_stages
+      assert (single.num_stages <= half.num_stages or single.step_k < half.step_k
+              or single.num_stages == own_stages)  # too few resident stages in float32
       assert single.stage_bytes(f32) * single.num_stages <= kernels.GPU_SHARED_MEMORY_BYTES
       assert m > kernels.GPU_ONE_ROW_OF_TILES or half.block_m >= m, (m, n, half)
       at_b = _plan(Layout.TN, m, n, 64, groups=2).tiles
@@ -611,7 +614,15 @@ def test_plan_triton_ladder_picks():
   assert pick(16, 4096) == (16, 32, 4, 12)                     # 128 programs, one wave
   assert pick(16, 5120) == pick(16, 6144) == (16, 64, 4, 10)   # 80 / 96 programs
   assert pick(16, 10240) == (16, 128, 4, 6)                    # 80 programs
-  assert pick(16, 18944) == pick(16, 57344) == (16, 128, 4, 4)  # 2 / 4 waves
+  assert pick(16, 18944) == (16, 128, 4, 4)                    # 2 waves
+  # Past one wave, the programs each SM gets share its shared memory at once, at no
+  # fewer than RESIDENT_MIN_STAGES: 448 programs of 16 x 128 (four to an SM) at 3
+  # stages, 296 of 64 x 128 (three) at 3, where two of them fit at 4 (on an H200 at
+  # 31 rows of 3584 x 37888, 1.00x of cuBLAS against 0.80x; benchmarks/results/
+  # h100.md, forty-ninth session); 1002 of 64 x 128 would fit only at 2, so keep 4.
+  assert pick(16, 57344) == (16, 128, 4, 3)
+  assert pick(31, 37888) == pick(64, 37888) == (64, 128, 4, 3)
+  assert pick(31, 28672) == (64, 128, 4, 4) and pick(31, 128256) == (64, 128, 4, 4)
   assert pick(64, 1536) == pick(31, 2050) == (64, 16, 4, 10)   # 96 / 129 programs
   assert pick(100, 2050) == (64, 32, 4, 10)                    # 130 programs
   assert pick(100, 1000) == (16, 64, 4, 10)   # 112 programs; 64 x 16 ties and was slower
@@ -836,12 +847,21 @@ def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
         jax.jit(split).trace(sd(lhs, bf16), sd(rhs, bf16)).lower(lowering_platforms=("cuda",))
 
 
+def _ladder_tile(tiles):
+  """The GPU_MATMUL_LADDER entry of ``tiles``' block shape and warps."""
+  return next(t for t in kernels.GPU_MATMUL_LADDER
+              if (t.block_m, t.block_n, t.num_warps) == (tiles.block_m, tiles.block_n,
+                                                         tiles.num_warps))
+
+
 def _gpu_ladder_configs(words_missed: bool = False):
   """Every ladder tile, with its usual stage count and its one-wave stage count,
   and those whose stages are small enough with DEEP_STEP_K- and
   STREAMED_STEP_K-deep steps too; with ``words_missed`` (operand rows that are
   not whole words: ``matmul_plan.rows_miss_words``) every tile of at most
-  GPU_ONE_ROW_OF_TILES rows with DEEP_STEP_K-deep steps too."""
+  GPU_ONE_ROW_OF_TILES rows with DEEP_STEP_K-deep steps too; and every tile at
+  the stages at which 2-32 of its programs share an SM (``triton_tiles``' resident
+  stages, at least RESIDENT_MIN_STAGES)."""
   configs = [config for tiles in kernels.GPU_MATMUL_LADDER
              for config in (tiles, dataclasses.replace(tiles, num_stages=tiles.one_wave_stages))
              if config.num_stages]
@@ -852,7 +872,10 @@ def _gpu_ladder_configs(words_missed: bool = False):
     deep += [dataclasses.replace(config, step_k=kernels.DEEP_STEP_K) for config in configs
              if config.block_m <= kernels.GPU_ONE_ROW_OF_TILES
              and config.stage_bytes(bf16) > kernels.DEEP_STEP_STAGE_BYTES]
-  return configs + deep
+  resident = (kernels.fit_stages(tiles, bf16, bf16, programs_per_sm)
+              for tiles in kernels.GPU_MATMUL_LADDER for programs_per_sm in range(2, 33))
+  return list(dict.fromkeys(configs + deep + [
+      tiles for tiles in resident if tiles.num_stages >= kernels.RESIDENT_MIN_STAGES]))
 
 
 def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, device=None):
