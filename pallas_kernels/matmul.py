@@ -205,7 +205,7 @@ GPU_PROGRAM_RESERVED_SHARED_BYTES = 1024
 # (benchmarks/results/h100.md, forty-ninth section): 296 programs of 64 x 128 at 3
 # stages (three to an SM) ran 1.00-1.04x of cuBLAS where 4 stages (two to an SM)
 # ran 0.78-0.85x; 448 of 64 x 64 at 3 stages 0.96-0.97x against 0.71-0.76x at 4;
-# two stages were 2-26% slower than three where both fit.
+# where three stages fit them all, two took 1-49% longer.
 RESIDENT_MIN_STAGES = 3
 
 
