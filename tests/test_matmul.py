@@ -589,9 +589,10 @@ def test_plan_triton_tile_rule():
       single = _plan(Layout.NN, m, n, 64, f32, groups=2).tiles
       assert launch_params(half) in configs, (m, n, half)
       assert launch_params(single)[:3] == launch_params(half)[:3]
-      own_stages = kernels.fit_stages(_ladder_tile(half), f32, f32).num_stages
+      own_stages = lambda dtype: kernels.fit_stages(_ladder_tile(half), dtype, dtype).num_stages
+      # bf16 at resident stages, float32 at its own: too few of its stages share an SM.
       assert (single.num_stages <= half.num_stages or single.step_k < half.step_k
-              or single.num_stages == own_stages)  # too few resident stages in float32
+              or (half.num_stages < own_stages(bf16) and single.num_stages == own_stages(f32)))
       assert single.stage_bytes(f32) * single.num_stages <= kernels.GPU_SHARED_MEMORY_BYTES
       assert m > kernels.GPU_ONE_ROW_OF_TILES or half.block_m >= m, (m, n, half)
       at_b = _plan(Layout.TN, m, n, 64, groups=2).tiles
