@@ -294,13 +294,25 @@ def contraction_loop(k: int, step, acc, *, chunk: int | None = None, depth: int 
   full_chunks = k // chunk
 
   def add_chunk(c, total):
-    return total + steps(c * per_chunk, per_chunk, jnp.zeros_like(total), last=False)
+    return add_chunk_sum(total, steps(c * per_chunk, per_chunk, jnp.zeros_like(total),
+                                      last=False))
 
   acc = lax.fori_loop(0, full_chunks, add_chunk, acc)
   if k % chunk:
-    acc = acc + steps(full_chunks * per_chunk, full_steps - full_chunks * per_chunk,
-                      jnp.zeros_like(acc), last=True)
+    acc = add_chunk_sum(acc, steps(full_chunks * per_chunk, full_steps - full_chunks * per_chunk,
+                                   jnp.zeros_like(acc), last=True))
   return acc
+
+
+def add_chunk_sum(total, chunk_sum):
+  """``total + chunk_sum`` for a chunk summed from zero, written
+  ``total - (0 - chunk_sum)`` (how Triton negates): Triton's combiner rewrites
+  ``x + dot(a, b, 0)`` as ``dot(a, b, x)``, which for a chunk of a single step
+  would sum the step into the running total instead of from zero (other bits
+  than the Mosaic GPU kernel's and the split chunks'), and it leaves a
+  subtraction alone. The two are equal unless ``total`` is -0, which a running
+  total that starts at +0 never is (x + y is -0 only when both are)."""
+  return total - (0 - chunk_sum)
 
 
 def _on_output_tile(tile, rows_ref, o_ref, *, row_tiles: int, n: int, group_m: int):

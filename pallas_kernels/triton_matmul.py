@@ -95,18 +95,20 @@ def matmul_kernel(a_ptr, b_ptr, c_ptr,
   else:
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for _ in range(0, K // CHUNK):
-      acc += _steps(a_ptrs, b_ptrs, row_ok, col_ok, ks, M % BLOCK_M != 0, N % BLOCK_N != 0, N,
-                    BLOCK_M, BLOCK_N, BLOCK_K, CHUNK // BLOCK_K, 0, TRANSPOSE_B,
-                    INPUT_PRECISION)
+      # acc + chunk, as pallas_kernels.matmul.add_chunk_sum writes it (not folded
+      # into the dot of a chunk of one step).
+      acc -= 0 - _steps(a_ptrs, b_ptrs, row_ok, col_ok, ks, M % BLOCK_M != 0, N % BLOCK_N != 0,
+                        N, BLOCK_M, BLOCK_N, BLOCK_K, CHUNK // BLOCK_K, 0, TRANSPOSE_B,
+                        INPUT_PRECISION)
       a_ptrs += CHUNK
       if TRANSPOSE_B:
         b_ptrs += CHUNK
       else:
         b_ptrs += CHUNK * N
     if K % CHUNK:
-      acc += _steps(a_ptrs, b_ptrs, row_ok, col_ok, ks, M % BLOCK_M != 0, N % BLOCK_N != 0, N,
-                    BLOCK_M, BLOCK_N, BLOCK_K, K % CHUNK // BLOCK_K, K % BLOCK_K, TRANSPOSE_B,
-                    INPUT_PRECISION)
+      acc -= 0 - _steps(a_ptrs, b_ptrs, row_ok, col_ok, ks, M % BLOCK_M != 0, N % BLOCK_N != 0,
+                        N, BLOCK_M, BLOCK_N, BLOCK_K, K % CHUNK // BLOCK_K, K % BLOCK_K,
+                        TRANSPOSE_B, INPUT_PRECISION)
   c_ptrs = c_ptr + g * (M * N) + rows[:, None] * N + cols[None, :]
   tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 

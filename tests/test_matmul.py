@@ -506,6 +506,43 @@ def test_chunked_contraction_equals_a_loop_of_gemms(where):
       _chunked_equals_loop_of_gemms(rows, 1024, 2 * 8192 + 1000, 8192, interpret=False)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("tail", [7, 8, 64])
+def test_gpu_a_chunk_of_one_step_is_summed_from_zero(tail):
+  """Two 1024-long chunks and a last chunk of one step (``tail`` indices): every
+  kernel sums the lone step from zero and then adds it
+  (``pallas_kernels.matmul.add_chunk_sum``; Triton's combiner would fold it into
+  the running total), NN and NT: the Triton kernels in each program at 64- and
+  256-deep steps and split, jax-triton where installed, and the plan's own pick,
+  against per-chunk GEMMs added in order, float32 results."""
+  rows, cols, chunk = 300, 256, 1024
+  contraction = 2 * chunk + tail
+  rng = np.random.default_rng(tail)
+  lhs = random_normal(rng, (1, rows, contraction), jnp.bfloat16)
+  rhs_nn = random_normal(rng, (1, contraction, cols), jnp.bfloat16)
+  f32 = jnp.dtype(jnp.float32)
+  tiles = kernels.fit_stages(next(t for t in kernels.GPU_MATMUL_LADDER
+                                  if (t.block_m, t.block_n) == (64, 128)), bf16, f32)
+  in_program = matmul_plan.Plan(Kernel.PALLAS_TRITON, tiles, contraction_chunk=chunk)
+  plans = [in_program,
+           dataclasses.replace(in_program, tiles=kernels.fit_stages(
+               dataclasses.replace(tiles, step_k=kernels.DEEP_STEP_K), bf16, f32)),
+           dataclasses.replace(in_program, split_chunks=True)]
+  if importlib.util.find_spec("jax_triton"):
+    plans.append(dataclasses.replace(in_program, kernel=Kernel.JAX_TRITON))
+  for layout, rhs, window in ((Layout.NN, rhs_nn, lambda x, s: x[:, s, :]),
+                              (Layout.NT, jnp.swapaxes(rhs_nn, 1, 2), lambda x, s: x[:, :, s])):
+    want = jnp.zeros((1, rows, cols), f32)
+    for first in range(0, contraction, chunk):
+      part = slice(first, first + chunk)
+      want = want + matmul_plan.run(layout, lhs[:, :, part], window(rhs, part), out_dtype=f32)
+    pick = matmul_plan.plan(layout, rows, cols, contraction, dtype=bf16, out_dtype=f32,
+                            contraction_chunk=chunk)
+    for p in [*plans, pick]:
+      assert_bitwise_equal(matmul_plan.launch(p, lhs, rhs, layout=layout, out_dtype=f32), want,
+                           what=f"{layout.name}, {p}")
+
+
 def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
   """The Mosaic GPU kernel runs 16-bit GEMMs of one problem with a result no
   smaller than one of its tiles and 16-byte row pitches (every operand's and the
