@@ -13,7 +13,9 @@ choose by any size, the token count included. It chooses speed, never bits:
   plan keeps the ladder: :func:`ladder_keeps`), a result no
   smaller than a program tile, and 16-byte row pitches (``hopper_matmul.takes``:
   the minor dimension of each operand and of the result a multiple of 8). It
-  copies no operand, whatever the token count.
+  copies no operand, whatever the token count; where an operand's rows miss 16
+  bytes, the plan may copy the operands to 16-byte pitches for it
+  (:func:`pitch_padded_plan`).
   It runs chunked contractions too, in each tile's program or split
   (:func:`mosaic_split_tiles`).
 * ``Kernel.PALLAS_TRITON`` (:mod:`pallas_kernels.matmul`): the Pallas Triton
@@ -43,7 +45,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import hopper_matmul as mosaic
 from pallas_kernels import matmul as pallas_triton
-from pallas_kernels._common import cdiv
+from pallas_kernels._common import cdiv, pad_axis
 from pallas_kernels.matmul import BLOCK_K, Layout, MatmulTiles
 
 
@@ -140,6 +142,21 @@ LADDER_MIN_CONTRACTION = 1536
 # 14 whose rows are whole words but not 16-byte multiples, 0.85x (the rule
 # leaves them).
 WORD_BYTES = 4
+# A single 16-bit GEMM whose lhs or rhs rows miss 16 bytes (no TMA, so no Mosaic
+# GPU kernel) copies its operands zero-padded to 16-byte pitches (the result
+# sliced back) where the plan of the padded sizes is the Mosaic GPU kernel's and
+# the GEMM does at least PITCH_PAD_MIN_MACS multiply-adds (pitch_padded_plan):
+# Triton loads such rows in 2- or 4-byte pieces. On an H200
+# (benchmarks/results/h100.md, fiftieth section), at 50 random forward, dA and dB
+# GEMMs of 71-14690 tokens that the rule pads, the copies and the Mosaic kernel ran
+# 1.95x as fast as the Triton pick in geometric mean (45 faster, 0.85-7.4x); below
+# the bound the copies' fixed cost lost at 4 of 6 (0.58-0.85x). A result whose
+# rows alone miss (dA of a weight of unaligned width) stays on Triton, which
+# stores it at speed: padded, two of four such GEMMs lost (0.47x, 0.64x). At 24
+# GEMMs drawn after the rule, 1.68x (19 faster; 0.50-0.87x at five over short
+# contractions, 288-512 indices or 104-128 tokens, not explained); padding would
+# have slowed 7 of the 8 it declined.
+PITCH_PAD_MIN_MACS = 1 << 28
 
 
 def fixed_contraction_chunk(layout: Layout, cols: int, contraction: int) -> int | None:
@@ -166,12 +183,15 @@ class Plan:
   the chunks of a chunked contraction, and whether the chunks run on programs of
   their own (``split_chunks``, Pallas Triton: ``pallas_kernels.matmul.matmul_chunks``;
   Mosaic GPU: ``pallas_kernels.hopper_matmul.matmul``'s) or one after another in
-  each tile's program."""
+  each tile's program; ``pitch_padded``: the kernel runs on the operands copied
+  to 16-byte row pitches (:func:`pitch_padded_plan`), its tiles and chunks those
+  of the padded sizes."""
   kernel: Kernel
   tiles: MatmulTiles | mosaic.HopperTiles
   interpret: bool = False
   contraction_chunk: int | None = None
   split_chunks: bool = False
+  pitch_padded: bool = False
 
 
 def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_dtype,
@@ -225,6 +245,12 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
     return Plan(Kernel.JAX_TRITON, triton_tiles(layout, rows, cols, dtype, out_dtype, groups,
                                                 num_sms, chunked=chunked),
                 contraction_chunk=contraction_chunk)
+  if groups == 1 and operand_rows_miss_pitch(layout, rows, cols, contraction):
+    padded = pitch_padded_plan(layout, rows, cols, contraction, dtype=dtype,
+                               out_dtype=out_dtype, device=device,
+                               contraction_chunk=contraction_chunk, split_chunks=split_chunks)
+    if padded:
+      return padded
   mosaic_split = (mosaic_split_tiles(layout, rows, cols, contraction, contraction_chunk,
                                      dtype, device, num_sms) if chunked and groups == 1 else None)
   if split_chunks is None:
@@ -245,6 +271,57 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   if mosaic_tiles:
     return Plan(Kernel.MOSAIC_GPU, mosaic_tiles, contraction_chunk=contraction_chunk)
   return Plan(Kernel.PALLAS_TRITON, ladder, contraction_chunk=contraction_chunk)
+
+
+def operand_rows_miss_pitch(layout: Layout, rows: int, cols: int, contraction: int) -> bool:
+  """Whether a row of the lhs or of the rhs (their minor dimensions in
+  ``layout``) is not a multiple of ``hopper_matmul.TMA_PITCH`` elements."""
+  return any(minor % mosaic.TMA_PITCH for minor in layout.minor_dims(rows, cols, contraction))
+
+
+def pitch_padded_sizes(layout: Layout, rows: int, cols: int,
+                       contraction: int) -> tuple[int, int, int]:
+  """(rows, cols, contraction) once :func:`pad_to_pitch` has padded the operands:
+  each operand's minor dimension and the result's columns rounded up to
+  ``hopper_matmul.TMA_PITCH``."""
+  def up(size):
+    return cdiv(size, mosaic.TMA_PITCH) * mosaic.TMA_PITCH
+  if layout is Layout.TN:
+    return up(rows), up(cols), contraction
+  return rows, up(cols), up(contraction)
+
+
+def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype,
+                      out_dtype, device: Device, contraction_chunk: int | None,
+                      split_chunks: bool | None = None) -> Plan | None:
+  """The plan of a single GEMM whose operands' rows miss 16 bytes
+  (:func:`operand_rows_miss_pitch`) run on copies padded to 16-byte pitches, or
+  None where it is not taken: on a Hopper GPU, with 16-bit operands, at least
+  ``PITCH_PAD_MIN_MACS`` multiply-adds, and where the plan of the padded sizes
+  (:func:`pitch_padded_sizes`, the same ``contraction_chunk``) is the Mosaic GPU
+  kernel's. Zero padding adds zero products in the contraction's last step and
+  columns that are sliced off, so the bits are those of the unpadded GEMM on
+  any kernel."""
+  if (not _mosaic_runs(dtype, device) or rows * cols * contraction < PITCH_PAD_MIN_MACS):
+    return None
+  sizes = pitch_padded_sizes(layout, rows, cols, contraction)
+  padded = plan(layout, *sizes, dtype=dtype, out_dtype=out_dtype, device=device,
+                contraction_chunk=contraction_chunk or sizes[2], split_chunks=split_chunks)
+  if padded.kernel is not Kernel.MOSAIC_GPU:
+    return None
+  return dataclasses.replace(padded, pitch_padded=True)
+
+
+def pad_to_pitch(layout: Layout, lhs, rhs):
+  """``lhs`` and ``rhs`` (shaped as the module docstring says) zero-padded to the
+  sizes of :func:`pitch_padded_sizes`: every axis of the result's columns, of the
+  contraction (NN, NT) and of the result's rows (TN) a multiple of
+  ``hopper_matmul.TMA_PITCH``."""
+  lhs = pad_axis(lhs, 2, mosaic.TMA_PITCH)
+  rhs = pad_axis(rhs, 2, mosaic.TMA_PITCH)
+  if layout is not Layout.TN:
+    rhs = pad_axis(rhs, 1, mosaic.TMA_PITCH)
+  return lhs, rhs
 
 
 def ladder_programs(tiles: MatmulTiles, rows: int, cols: int, groups: int = 1) -> int:
@@ -387,12 +464,16 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
                                   dtype, out_dtype)
 
 
+def _mosaic_runs(dtype, device: Device) -> bool:
+  """Whether the Mosaic GPU kernel runs on ``device`` with ``dtype`` operands."""
+  return device.is_hopper and dtype in mosaic.DTYPES
+
+
 def _mosaic_takes(layout: Layout, rows: int, cols: int, contraction: int, dtype,
                   device: Device) -> bool:
   """Whether the Mosaic GPU kernel runs on ``device`` with ``dtype`` operands and
   takes these sizes (``hopper_matmul.takes``)."""
-  return (device.is_hopper and dtype in mosaic.DTYPES
-          and mosaic.takes(layout, rows, cols, contraction))
+  return _mosaic_runs(dtype, device) and mosaic.takes(layout, rows, cols, contraction)
 
 
 def mosaic_pick(layout: Layout, rows: int, cols: int, contraction: int, out_dtype,
@@ -556,6 +637,12 @@ def launch(plan_: Plan, lhs, rhs, *, layout: Layout, out_dtype, precision=None):
   kernel re-plans: a shared rhs folds the mapped axis into rows, anything else
   becomes groups (Triton)."""
   out_dtype = jnp.dtype(out_dtype)
+  if plan_.pitch_padded:
+    rows = lhs.shape[2] if layout is Layout.TN else lhs.shape[1]
+    cols = rhs.shape[1] if layout is Layout.NT else rhs.shape[2]
+    out = launch(dataclasses.replace(plan_, pitch_padded=False), *pad_to_pitch(layout, lhs, rhs),
+                 layout=layout, out_dtype=out_dtype, precision=precision)
+    return out[:, :rows, :cols]
   if plan_.kernel is Kernel.MOSAIC_GPU:
     return _mosaic_launcher(layout, out_dtype, plan_.tiles, plan_.contraction_chunk,
                             plan_.split_chunks)(lhs, rhs)

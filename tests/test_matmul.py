@@ -385,7 +385,10 @@ def test_plan_runs_chunks_on_every_kernel():
         (256, 1024, 4088, None, Kernel.MOSAIC_GPU, False),
         (300, 512, 4096, None, Kernel.MOSAIC_GPU, True),
         (4096, 1024, 4096, None, Kernel.MOSAIC_GPU, False),
-        (4096, 1001, 4096, None, Kernel.PALLAS_TRITON, False),
+        # Rows of 1001 elements: the NN rhs's are copied to 16-byte pitches
+        # (matmul_plan.pitch_padded_plan); only NT's result has them, and stays.
+        (4096, 1001, 4096, None,
+         Kernel.PALLAS_TRITON if layout is Layout.NT else Kernel.MOSAIC_GPU, False),
         (1, 4096, 20000, 8192, Kernel.PALLAS_TRITON, True),
         (4096, 4096, 20000, 8192, Kernel.MOSAIC_GPU, False)):
       chosen = _plan(layout, rows, cols, contraction, contraction_chunk=chunk)
@@ -543,18 +546,21 @@ def test_gpu_a_chunk_of_one_step_is_summed_from_zero(tail):
                            what=f"{layout.name}, {p}")
 
 
-def test_plan_sends_mosaic_only_what_tma_takes_without_copying_an_operand():
+def test_plan_sends_mosaic_only_what_tma_takes():
   """The Mosaic GPU kernel runs 16-bit GEMMs of one problem with a result no
   smaller than one of its tiles and 16-byte row pitches (every operand's and the
   result's minor dimension a multiple of 8): the forward and dA above LADDER_ROWS
   rows (but where the plan keeps the ladder: matmul_plan.ladder_keeps), a
   chunked contraction's split where its pick's units fill the SMs
-  (matmul_plan.mosaic_split_tiles), dB whatever the token count."""
+  (matmul_plan.mosaic_split_tiles), dB whatever the token count. (Operands
+  copied to those pitches: test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays.)"""
   for layout in Layout:
     for rows in (1, 64, 65, 100, 128, 129, 192, 300, 777, 1000, 1001, 4096):
       for cols in (64, 128, 192, 320, 1000, 1004, 1024, 4096, 13824, 28672):
         for contraction in (100, 777, 3000, 4096):
           chosen = _plan(layout, rows, cols, contraction)
+          if chosen.pitch_padded:
+            continue
           if layout is Layout.TN:
             mosaic_fits = (rows % 8 == 0 and cols % 8 == 0
                            and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
@@ -892,6 +898,59 @@ def _ladder_tile(tiles):
                                                          tiles.num_warps))
 
 
+def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
+  """A single 16-bit GEMM on a Hopper GPU whose lhs or rhs rows miss 16 bytes
+  runs on operands padded to 16-byte pitches exactly where it does at least
+  PITCH_PAD_MIN_MACS multiply-adds and the plan of the padded sizes is the Mosaic
+  GPU kernel's: that plan, with the unpadded GEMM's chunks (which padding does
+  not move). A result whose rows alone miss, groups, float32 operands and other
+  GPUs are never padded."""
+  ampere = matmul_plan.Device("gpu", "8.0", 108)
+  padded_somewhere = set()
+  for layout, groups, dtype in itertools.product(Layout, (1, 8), (bf16, jnp.dtype(jnp.float32))):
+    for rows in (1, 64, 100, 300, 1001, 4096):
+      for cols in (64, 727, 1000, 1004, 4096):
+        for contraction in (100, 487, 1000, 3000, 4099):
+          chosen = _plan(layout, rows, cols, contraction, dtype=dtype, groups=groups)
+          sizes = matmul_plan.pitch_padded_sizes(layout, rows, cols, contraction)
+          chunk = matmul_plan.fixed_contraction_chunk(layout, cols, contraction)
+          assert matmul_plan.fixed_contraction_chunk(layout, *sizes[1:]) == chunk
+          padded = _plan(layout, *sizes, dtype=dtype, contraction_chunk=chunk or sizes[2])
+          pays = (groups == 1 and dtype == bf16 and padded.kernel is Kernel.MOSAIC_GPU
+                  and rows * cols * contraction >= matmul_plan.PITCH_PAD_MIN_MACS
+                  and matmul_plan.operand_rows_miss_pitch(layout, rows, cols, contraction))
+          assert chosen.pitch_padded == pays, (layout, groups, dtype, rows, cols, contraction)
+          if pays:
+            assert chosen == dataclasses.replace(padded, pitch_padded=True)
+            assert hopper.takes(layout, *sizes) and chosen.contraction_chunk == chunk
+            padded_somewhere.add(layout)
+          assert not _plan(layout, rows, cols, contraction, dtype=dtype, groups=groups,
+                           device=ampere).pitch_padded
+  assert padded_somewhere == set(Layout)
+  assert not _plan(Layout.NT, 4096, 1001, 4096).pitch_padded  # only the result's rows miss
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_pitch_padded_launch_gives_the_unpadded_bits(layout):
+  """matmul_plan.launch of a pitch-padded plan pads the operands
+  (matmul_plan.pad_to_pitch), runs the plan's kernel and slices the result: the
+  bits of the same kernel on the unpadded operands, chunked or not (interpret
+  mode, where the padded plan runs the Triton kernel)."""
+  rng = np.random.default_rng(3)
+  rows, cols, contraction = 37, 45, 301
+  shapes = {Layout.NN: ((rows, contraction), (contraction, cols)),
+            Layout.NT: ((rows, contraction), (cols, contraction)),
+            Layout.TN: ((contraction, rows), (contraction, cols))}[layout]
+  lhs, rhs = (random_normal(rng, (1, *shape), bf16) for shape in shapes)
+  for chunk in (None, 128) if layout is not Layout.TN else (None,):
+    unpadded = _plan(layout, rows, cols, contraction, interpret=True, contraction_chunk=chunk)
+    padded = dataclasses.replace(unpadded, pitch_padded=True)
+    want = matmul_plan.launch(unpadded, lhs, rhs, layout=layout, out_dtype=bf16)
+    got = matmul_plan.launch(padded, lhs, rhs, layout=layout, out_dtype=bf16)
+    assert got.shape == (1, rows, cols)
+    assert_bitwise_equal(got, want, what=f"{layout.name}, chunk {chunk}")
+
+
 def _gpu_ladder_configs(words_missed: bool = False):
   """Every ladder tile, with its usual stage count and its one-wave stage count,
   and those whose stages are small enough with DEEP_STEP_K- and
@@ -923,8 +982,9 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
   twice, and every tile with the chunks on programs of their own), jax-triton
   where it is installed, and, where the Mosaic GPU kernel serves the sizes, each
   of its candidate tiles (``matmul_plan.mosaic_tile_candidates``), for a chunked
-  contraction with the chunks split too. ``device``: the plan's (default: the
-  current one)."""
+  contraction with the chunks split too; where the plan pads the operands to
+  16-byte pitches (``matmul_plan.pitch_padded_plan``), the Mosaic GPU plans of the
+  padded sizes, padded. ``device``: the plan's (default: the current one)."""
   chunk = matmul_plan.fixed_contraction_chunk(layout, cols, contraction)
   words_missed = matmul_plan.rows_miss_words(layout, rows, cols, contraction, dtype)
   ladder = (_gpu_ladder_configs(words_missed) if layout is not Layout.TN
@@ -937,8 +997,14 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
                                contraction_chunk=chunk, split_chunks=True) for t in ladder]
   if importlib.util.find_spec("jax_triton"):
     plans.append(dataclasses.replace(plans[0], kernel=Kernel.JAX_TRITON))
-  if matmul_plan.plan(layout, rows, cols, contraction, dtype=dtype, out_dtype=dtype,
-                      device=device).kernel is Kernel.MOSAIC_GPU:
+  chosen = matmul_plan.plan(layout, rows, cols, contraction, dtype=dtype, out_dtype=dtype,
+                            device=device)
+  if chosen.pitch_padded:
+    sizes = matmul_plan.pitch_padded_sizes(layout, rows, cols, contraction)
+    plans += [dataclasses.replace(p, pitch_padded=True)
+              for p in _every_plan(layout, *sizes, dtype, device=device)
+              if p.kernel is Kernel.MOSAIC_GPU]
+  elif chosen.kernel is Kernel.MOSAIC_GPU:
     lhs_aligned, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
     candidates = matmul_plan.mosaic_tile_candidates(
         rhs_aligned, transposed=hopper.transposed_takes(layout, dtype), lhs_aligned=lhs_aligned,
