@@ -635,7 +635,8 @@ def launch(plan_: Plan, lhs, rhs, *, layout: Layout, out_dtype, precision=None):
   [G, rows, cols] in ``out_dtype``. ``precision`` applies to float32 operands
   (the Mosaic GPU kernel takes only 16-bit ones). Under ``vmap`` the Mosaic GPU
   kernel re-plans: a shared rhs folds the mapped axis into rows, anything else
-  becomes groups (Triton)."""
+  becomes groups (Triton). A ``pitch_padded`` plan runs on the operands padded
+  by :func:`pad_to_pitch` and returns the result sliced to the unpadded size."""
   out_dtype = jnp.dtype(out_dtype)
   if plan_.pitch_padded:
     rows = lhs.shape[2] if layout is Layout.TN else lhs.shape[1]
