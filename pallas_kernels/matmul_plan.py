@@ -296,13 +296,13 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
                       split_chunks: bool | None = None) -> Plan | None:
   """The plan of a single GEMM whose operands' rows miss 16 bytes
   (:func:`operand_rows_miss_pitch`) run on copies padded to 16-byte pitches, or
-  None where it is not taken: on a Hopper GPU, with 16-bit operands, at least
-  ``PITCH_PAD_MIN_MACS`` multiply-adds, and where the plan of the padded sizes
-  (:func:`pitch_padded_sizes`, the same ``contraction_chunk``) is the Mosaic GPU
-  kernel's. Zero padding adds zero products in the contraction's last step and
+  None where it is not taken: at least ``PITCH_PAD_MIN_MACS`` multiply-adds, and
+  the plan of the padded sizes (:func:`pitch_padded_sizes`, the same
+  ``contraction_chunk``) is the Mosaic GPU kernel's (so a Hopper GPU and 16-bit
+  operands). Zero padding adds zero products in the contraction's last step and
   columns that are sliced off, so the bits are those of the unpadded GEMM on
   any kernel."""
-  if (not _mosaic_runs(dtype, device) or rows * cols * contraction < PITCH_PAD_MIN_MACS):
+  if rows * cols * contraction < PITCH_PAD_MIN_MACS:
     return None
   sizes = pitch_padded_sizes(layout, rows, cols, contraction)
   padded = plan(layout, *sizes, dtype=dtype, out_dtype=out_dtype, device=device,
@@ -464,16 +464,12 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
                                   dtype, out_dtype)
 
 
-def _mosaic_runs(dtype, device: Device) -> bool:
-  """Whether the Mosaic GPU kernel runs on ``device`` with ``dtype`` operands."""
-  return device.is_hopper and dtype in mosaic.DTYPES
-
-
 def _mosaic_takes(layout: Layout, rows: int, cols: int, contraction: int, dtype,
                   device: Device) -> bool:
   """Whether the Mosaic GPU kernel runs on ``device`` with ``dtype`` operands and
   takes these sizes (``hopper_matmul.takes``)."""
-  return _mosaic_runs(dtype, device) and mosaic.takes(layout, rows, cols, contraction)
+  return (device.is_hopper and dtype in mosaic.DTYPES
+          and mosaic.takes(layout, rows, cols, contraction))
 
 
 def mosaic_pick(layout: Layout, rows: int, cols: int, contraction: int, out_dtype,
