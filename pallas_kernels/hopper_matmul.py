@@ -47,8 +47,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels._common import cdiv, mosaic_gpu
 from pallas_kernels.matmul import (BLOCK_K, CHUNK_ACCUMULATOR_REGISTERS, H100_SM_COUNT, Layout,
-                                   MatmulTiles, chunk_total, fit_stages,
-                                   holds_two_accumulators)
+                                   chunk_total, fit_stages, holds_two_accumulators)
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 EPILOGUE_TILE = 64  # the output leaves in TMA stores of 64 rows
@@ -257,10 +256,6 @@ TRANSPOSED_MULTICAST_LINE_BOUND = 1 / 58
 # beat 8 at each of four shapes.
 SHORT_CONTRACTION = 512
 COLUMN_STRIP_WIDTH = 4
-# The tiles of the split chunks' sum (pallas_kernels.matmul.chunk_total): small,
-# so that the few-row results the split serves spread it over many programs (one
-# warp, 32 float32 partials a thread per chunk).
-CHUNK_TOTAL_TILES = MatmulTiles(16, 64, 1, 1)
 # Up to this many rows (one row of the ladder's 64-row tiles) the forward and dA
 # run on the Triton ladder. Above, the Mosaic kernel streams long contractions
 # faster: on an H200 at 100 and 128 rows its pick beat the ladder's at 10 of 18
@@ -631,8 +626,7 @@ def matmul(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles,
   chunks = cdiv(k_steps, chunk_steps)
   partials = _launch(lhs, rhs, layout=layout, out_dtype=jnp.float32, tiles=tiles, rows=rows,
                      cols=cols, k_steps=k_steps, chunk_steps=chunk_steps, split_chunks=True)
-  return chunk_total(partials.reshape(chunks, rows, cols), out_dtype=out_dtype,
-                     tiles=CHUNK_TOTAL_TILES)
+  return chunk_total(partials.reshape(chunks, rows, cols), out_dtype=out_dtype)
 
 
 def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles, rows: int, cols: int,

@@ -185,6 +185,14 @@ def holds_two_accumulators(tiles) -> bool:
   its accumulator takes at most CHUNK_ACCUMULATOR_REGISTERS registers a thread."""
   return tiles.accumulator_registers <= CHUNK_ACCUMULATOR_REGISTERS
 
+# The tiles of the split chunks' sum (chunk_total), whatever the GEMM's tiles:
+# small, so that the few-row results the split serves spread it over many
+# programs (one warp, 32 float32 partials a thread per chunk). The sum is
+# elementwise, so its tiles never change the bits. On an H200 the GEMM's own
+# 64 x 128 tiles took 171 us over 33 chunks of a 32 x 768 result, these 13 us
+# (benchmarks/results/h100.md, fifty-first section).
+CHUNK_TOTAL_TILES = MatmulTiles(16, 64, 1, 1)
+
 # Interpret mode (CPU): one tile for every shape. XLA:CPU may pick a different
 # dot algorithm per block shape, so the CPU path never varies the tile.
 INTERPRET_TILES = MatmulTiles(32, 32, 4, 1)
@@ -523,15 +531,16 @@ def matmul_chunks(a, b, *, transpose_b: bool, out_dtype, precision, tiles: Matmu
       interpret=interpret,
       name="jdet_matmul_chunks_t" if transpose_b else "jdet_matmul_chunks",
   )(a[0], b[0])
-  return chunk_total(partials, out_dtype=out_dtype, tiles=tiles, interpret=interpret)[None]
+  return chunk_total(partials, out_dtype=out_dtype, interpret=interpret)[None]
 
 
-def chunk_total(partials, *, out_dtype, tiles: MatmulTiles, interpret: bool = False):
+def chunk_total(partials, *, out_dtype, interpret: bool = False):
   """The [M, N] result of a chunked contraction's [chunks, M, N] float32 partial
   sums (chunk c's sum from zero in ``partials[c]``): :func:`chunk_total_kernel`
-  on ``tiles``' [block_m, block_n] output tiles adds them in chunk order and
-  rounds once to ``out_dtype``. Used by :func:`matmul_chunks` and the Mosaic
+  on CHUNK_TOTAL_TILES' [block_m, block_n] output tiles adds them in chunk order
+  and rounds once to ``out_dtype``. Used by :func:`matmul_chunks` and the Mosaic
   GPU kernel's split chunks (``pallas_kernels.hopper_matmul.matmul``)."""
+  tiles = CHUNK_TOTAL_TILES
   chunks, m, n = partials.shape
   bm, bn = tiles.block_m, tiles.block_n
   row_tiles, num_n = bucketed_grid(cdiv(m, bm)), cdiv(n, bn)

@@ -478,6 +478,19 @@ def test_chunks_on_programs_of_their_own_give_the_in_program_bits():
                          kernels.matmul(lhs, operand, **options), what=f"transpose_b={transpose_b}")
 
 
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.bfloat16])
+def test_chunk_total_adds_the_partials_in_chunk_order(out_dtype):
+  """chunk_total (on its own tiles, whatever the GEMM's) gives the float32 sum
+  of the partials from the first chunk to the last, rounded once, at a result
+  that fills no tile of CHUNK_TOTAL_TILES."""
+  partials = random_normal(np.random.default_rng(7), (9, 37, 70), jnp.float32)
+  want = partials[0]
+  for partial in partials[1:]:
+    want = want + partial
+  assert_bitwise_equal(kernels.chunk_total(partials, out_dtype=out_dtype, interpret=True),
+                       want.astype(out_dtype), what="chunk_total")
+
+
 def _chunked_equals_loop_of_gemms(rows, cols, contraction, chunk, *, interpret):
   """NN and NT with ``contraction_chunk`` against one GEMM per chunk (each as the
   plan runs it, in one sum) whose float32 results are added in order from zeros,
