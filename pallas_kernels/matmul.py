@@ -48,8 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels._common import (block_mask, bucketed_grid, cdiv, compiler_params,
-                                    counted_call, dot_f32, launcher, load_block, store_block,
-                                    sum_in_order)
+                                    counted_call, dot_f32, launcher, load_block, store_block)
 
 BLOCK_K = 64
 
@@ -187,11 +186,13 @@ def holds_two_accumulators(tiles) -> bool:
 
 # The tiles of the split chunks' sum (chunk_total), whatever the GEMM's tiles:
 # small, so that the few-row results the split serves spread it over many
-# programs (one warp, 32 float32 partials a thread per chunk). The sum is
-# elementwise, so its tiles never change the bits. On an H200 the GEMM's own
-# 64 x 128 tiles took 171 us over 33 chunks of a 32 x 768 result, these 13 us
-# (benchmarks/results/h100.md, fifty-first section).
-CHUNK_TOTAL_TILES = MatmulTiles(16, 64, 1, 1)
+# programs (one warp, 16 float32 partials a thread per chunk). The sum is
+# elementwise, so its tiles never change the bits. On an H200 (benchmarks/
+# results/h100.md, fifty-first section), over 8-85 chunks of 32 x 768 to
+# 512 x 1536 results, these ran 1.4-2.4x as fast as 16 x 64 tiles, which ran
+# 1.8-22x as fast as the 64 x 128 the Triton split used to pass (171 against 13
+# us at 33 chunks of 32 x 768); stages made no difference to 16 x 64.
+CHUNK_TOTAL_TILES = MatmulTiles(8, 64, 1, 3)
 
 # Interpret mode (CPU): one tile for every shape. XLA:CPU may pick a different
 # dot algorithm per block shape, so the CPU path never varies the tile.
@@ -410,14 +411,21 @@ def matmul_chunk_kernel(rows_ref, a_ref, b_ref, o_ref, *, row_tiles: int, n: int
   _on_output_tile(tile, rows_ref, o_ref, row_tiles=row_tiles, n=n, group_m=group_m)
 
 
-def chunk_total_kernel(rows_ref, *refs, row_tiles: int, n: int, group_m: int):
-  """One [block_m, block_n] tile of the chunks' partial sums added in chunk order
-  (:func:`sum_in_order`), rounded once to the result's dtype. refs: one
-  [block_m, block_n] partial block per chunk, then the result block."""
-  *partial_refs, o_ref = refs
+def chunk_total_kernel(rows_ref, partials_ref, o_ref, *, row_tiles: int, n: int,
+                       group_m: int):
+  """One [block_m, block_n] tile of the chunks' partial sums added in chunk order,
+  the first chunk's plus the second's plus the third's and so on, rounded once to
+  the result's dtype. partials_ref: the [chunks, block_m, block_n] partial blocks,
+  loaded one chunk at a time in a loop, so that the registers hold one block
+  however many chunks there are."""
+  chunks = partials_ref.shape[0]
 
   def tile(rows, cols):
-    total = sum_in_order([load_block(p, rows=rows, cols=cols) for p in partial_refs])
+    def add_chunk(c, total):
+      return total + load_block(partials_ref.at[c], rows=rows, cols=cols)
+
+    first = load_block(partials_ref.at[jnp.int32(0)], rows=rows, cols=cols)
+    total = lax.fori_loop(1, chunks, add_chunk, first)
     store_block(o_ref, total.astype(o_ref.dtype), rows=rows, cols=cols)
 
   _on_output_tile(tile, rows_ref, o_ref, row_tiles=row_tiles, n=n, group_m=group_m)
@@ -549,14 +557,13 @@ def chunk_total(partials, *, out_dtype, interpret: bool = False):
       functools.partial(chunk_total_kernel, row_tiles=row_tiles, n=n, group_m=tiles.group_m),
       count=m,
       grid=(row_tiles * num_n,),
-      in_specs=[pl.BlockSpec((None, bm, bn), lambda t, c=c: (c, *coords(t)))
-                for c in range(chunks)],
+      in_specs=[pl.BlockSpec((chunks, bm, bn), lambda t: (0, *coords(t)))],
       out_specs=pl.BlockSpec((bm, bn), coords),
       out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
-      compiler_params=compiler_params(tiles.num_warps, 1),
+      compiler_params=compiler_params(tiles.num_warps, tiles.num_stages),
       interpret=interpret,
       name="jdet_matmul_chunk_total",
-  )(*[partials] * chunks)
+  )(partials)
 
 
 @launcher
