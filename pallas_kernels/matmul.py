@@ -424,6 +424,7 @@ def chunk_total_kernel(rows_ref, partials_ref, o_ref, *, row_tiles: int, n: int,
     def add_chunk(c, total):
       return total + load_block(partials_ref.at[c], rows=rows, cols=cols)
 
+    # An array index: interpret mode's load takes no Python int for a ref view.
     first = load_block(partials_ref.at[jnp.int32(0)], rows=rows, cols=cols)
     total = lax.fori_loop(1, chunks, add_chunk, first)
     store_block(o_ref, total.astype(o_ref.dtype), rows=rows, cols=cols)
