@@ -133,14 +133,19 @@ LADDER_WAVE_FILL = 0.75
 LADDER_MIN_CONTRACTION = 1536
 # Where a row of the forward's or dA's lhs or rhs is not a whole number of
 # WORD_BYTES-byte words (16-bit operands of odd length: rows_miss_words), the
-# Triton tiles of at most GPU_ONE_ROW_OF_TILES rows take DEEP_STEP_K-deep steps:
-# Triton copies such rows synchronously, so each step waits out its loads'
-# latency, and deeper steps wait fewer times. On an H200 (benchmarks/results/
+# Triton tiles of at most GPU_ONE_ROW_OF_TILES rows in a single wave take
+# DEEP_STEP_K-deep steps: Triton copies such rows synchronously, so each step
+# waits out its loads' latency, and deeper steps wait fewer times. Over more
+# waves the resident programs of 64-deep steps wait out each other's loads, which
+# the deep steps' stages leave no room for. On an H200 (benchmarks/results/
 # h100.md, forty-fifth section), at 37 random odd-length GEMMs of 1-64 rows the
 # 256-deep steps ran 1.33x as fast as 64-deep ones in geometric mean (0.88-2.14x,
 # slower at one), at 15 of 65-2048 rows on 64-row tiles 1.26x (0.96-1.70x); at
 # 14 whose rows are whole words but not 16-byte multiples, 0.85x (the rule
-# leaves them).
+# leaves them). Timed against the resident stages (fifty-second section): 1.36x
+# at 26 single-wave GEMMs of 1-64 rows, 0.89x at 14 of more waves (GPT-2's
+# 50,257-column head among them), and 1.03x / 1.08x at 15 / 27 of more waves
+# drawn afterwards for 64-deep steps there.
 WORD_BYTES = 4
 # A single 16-bit GEMM whose lhs or rhs rows miss 16 bytes (no TMA, so no Mosaic
 # GPU kernel) copies its operands zero-padded to 16-byte pitches (the result
@@ -374,9 +379,9 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   the tile's ``one_wave_stages`` when the grid is a single wave; over more
   waves, stages at which each SM's share of the programs (``waves``) fit its
   shared memory together, where at least ``RESIDENT_MIN_STAGES`` remain;
-  stages are fitted to shared memory. Tiles of at most GPU_ONE_ROW_OF_TILES rows over
-  operand rows that are not whole words (:func:`rows_miss_words`) take
-  ``DEEP_STEP_K``-deep steps. Otherwise, in a single wave, the smallest stages
+  stages are fitted to shared memory. In a single wave, tiles of at most
+  GPU_ONE_ROW_OF_TILES rows over operand rows that are not whole words
+  (:func:`rows_miss_words`) take ``DEEP_STEP_K``-deep steps; otherwise the smallest stages
   (``DEEP_STEP_STAGE_BYTES``) over a long ``contraction`` take deeper steps
   (the Pallas Triton kernel's ``step_k``):
   ``DEEP_STEP_K`` where their stages hold it whole (NN: with
@@ -411,14 +416,14 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   def stepped(step_k):
     return pallas_triton.fit_stages(dataclasses.replace(tiles, step_k=step_k), dtype, out_dtype)
 
-  if (contraction is not None and tiles.block_m <= pallas_triton.GPU_ONE_ROW_OF_TILES
-      and rows_miss_words(layout, rows, cols, contraction, dtype)):
-    return stepped(pallas_triton.DEEP_STEP_K)
   if waves(tiles) > 1:
     resident = pallas_triton.fit_stages(tiles, dtype, out_dtype, programs_per_sm=waves(tiles))
     if resident.num_stages >= pallas_triton.RESIDENT_MIN_STAGES:
       return resident
     return pallas_triton.fit_stages(tiles, dtype, out_dtype)
+  if (contraction is not None and tiles.block_m <= pallas_triton.GPU_ONE_ROW_OF_TILES
+      and rows_miss_words(layout, rows, cols, contraction, dtype)):
+    return stepped(pallas_triton.DEEP_STEP_K)
   tiles = pallas_triton.fit_stages(tiles, dtype, out_dtype)
   if (program_contraction is None or program_contraction < pallas_triton.DEEP_STEP_MIN_CONTRACTION
       or tiles.stage_bytes(dtype) > pallas_triton.DEEP_STEP_STAGE_BYTES):

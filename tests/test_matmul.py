@@ -712,11 +712,14 @@ def test_plan_triton_ladder_picks():
   assert _plan(Layout.NN, 16, 1536, 2048, backend="triton").tiles.step_k == 64
   assert _plan(Layout.NN, 16, 1536, 2048, jnp.float32).tiles.step_k == 64
   # Operand rows that are not whole 4-byte words (an odd length of 16-bit
-  # elements) take 256-deep steps on tiles of at most 64 rows, whatever the
-  # waves and the contraction (NN: K or N odd; NT: K odd); rows of whole words
-  # keep the rules above, and so do 128-row tiles and float32.
+  # elements) take 256-deep steps on tiles of at most 64 rows in a single wave,
+  # whatever the contraction (NN: K or N odd; NT: K odd); over more waves (GPT-2's
+  # 50,257-column head) they keep the resident stages' 64-deep steps; rows of
+  # whole words keep the rules above, and so do 128-row tiles and float32.
   assert depth(1, 2048, 2187) == depth(7, 727, 3456) == depth(64, 4097, 300) == 256
   assert depth(16, 1481, 2187, groups=4) == depth(300, 1205, 8320) == 256
+  assert depth(8, 50257, 768) == depth(32, 50257, 1600) == 64
+  assert depth(13, 37536, 1369, layout=Layout.NT) == 64
   assert depth(2, 727, 3456, layout=Layout.NT) == 64 != depth(2, 3456, 727, layout=Layout.NT)
   assert depth(1, 4258, 1536) == depth(16, 2050, 4100) == 64
   assert matmul_plan.triton_tiles(Layout.NN, 2048, 1205, bf16, bf16, contraction=8320).step_k == 64
