@@ -132,20 +132,19 @@ MOSAIC_SPLIT_FILL = 0.5
 LADDER_WAVE_FILL = 0.75
 LADDER_MIN_CONTRACTION = 1536
 # Where a row of the forward's or dA's lhs or rhs is not a whole number of
-# WORD_BYTES-byte words (16-bit operands of odd length: rows_miss_words), the
-# Triton tiles of at most GPU_ONE_ROW_OF_TILES rows in a single wave take
-# DEEP_STEP_K-deep steps: Triton copies such rows synchronously, so each step
-# waits out its loads' latency, and deeper steps wait fewer times. Over more
-# waves the resident programs of 64-deep steps wait out each other's loads, which
-# the deep steps' stages leave no room for. On an H200 (benchmarks/results/
-# h100.md, forty-fifth section), at 37 random odd-length GEMMs of 1-64 rows the
-# 256-deep steps ran 1.33x as fast as 64-deep ones in geometric mean (0.88-2.14x,
-# slower at one), at 15 of 65-2048 rows on 64-row tiles 1.26x (0.96-1.70x); at
-# 14 whose rows are whole words but not 16-byte multiples, 0.85x (the rule
-# leaves them). Timed against the resident stages (fifty-second section): 1.36x
-# at 26 single-wave GEMMs of 1-64 rows, 0.89x at 14 of more waves (GPT-2's
-# 50,257-column head among them), and 1.03x / 1.08x at 15 / 27 of more waves
-# drawn afterwards for 64-deep steps there.
+# WORD_BYTES-byte words (16-bit operands of odd length: rows_miss_words), the Triton
+# tiles of at most GPU_ONE_ROW_OF_TILES rows in a single wave take DEEP_STEP_K-deep
+# steps: Triton copies such rows synchronously, so each step waits out its loads'
+# latency, and deeper steps wait fewer times. Over more waves, programs of 64-deep steps
+# at resident stages share each SM and overlap their waits, which the deep steps' large
+# stages leave no room for. On an H200 (benchmarks/results/h100.md, forty-fifth
+# section), at 37 random odd-length GEMMs of 1-64 rows the 256-deep steps ran 1.33x as
+# fast as 64-deep ones in geometric mean (0.88-2.14x, slower at one), at 15 of 65-2048
+# rows on 64-row tiles 1.26x (0.96-1.70x); at 14 whose rows are whole words but not
+# 16-byte multiples, 0.85x (the rule leaves them). Timed against the resident stages
+# (fifty-second section): 1.36x at 26 single-wave GEMMs of 1-64 rows, 0.89x at 14 of
+# more waves (GPT-2's 50,257-column head among them), and 1.03x / 1.08x at 15 / 27 of
+# more waves drawn afterwards for 64-deep steps there.
 WORD_BYTES = 4
 # A single 16-bit GEMM whose lhs or rhs rows miss 16 bytes (no TMA, so no Mosaic
 # GPU kernel) copies its operands zero-padded to 16-byte pitches (the result
