@@ -380,9 +380,9 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   shared memory together, where at least ``RESIDENT_MIN_STAGES`` remain;
   stages are fitted to shared memory. In a single wave, tiles of at most
   GPU_ONE_ROW_OF_TILES rows over operand rows that are not whole words
-  (:func:`rows_miss_words`) take ``DEEP_STEP_K``-deep steps; otherwise the smallest stages
-  (``DEEP_STEP_STAGE_BYTES``) over a long ``contraction`` take deeper steps
-  (the Pallas Triton kernel's ``step_k``):
+  (:func:`rows_miss_words`) take ``DEEP_STEP_K``-deep steps; otherwise the
+  smallest stages (``DEEP_STEP_STAGE_BYTES``) over a long ``contraction`` take
+  deeper steps (the Pallas Triton kernel's ``step_k``):
   ``DEEP_STEP_K`` where their stages hold it whole (NN: with
   ``DEEP_STEP_SPARE_STAGES`` to spare), else ``STREAMED_STEP_K`` where every
   row of the operands and the result is a multiple of 16 bytes
