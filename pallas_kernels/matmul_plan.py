@@ -106,7 +106,7 @@ MIN_CHUNK = 1024
 # lost at 7 of 8 weights at 514 rows, and over 1.1-1.5 chunks ran 0.75-1.16x as
 # fast as in-program chunks (benchmarks/results/h100.md, forty-first section).
 # Above, the split runs only on the Mosaic GPU kernel, where the in-program
-# pick's tiles fill less than MOSAIC_SPLIT_FILL of the SMs (splits_chunks).
+# pick's tiles fill less than IN_PROGRAM_SPLIT_FILL of the SMs (splits_chunks).
 SPLIT_CHUNK_ROWS = 256
 SPLIT_MIN_CHUNKS = 2
 # A split runs on the Mosaic GPU kernel where it takes the sizes and, up to
@@ -119,6 +119,15 @@ SPLIT_MIN_CHUNKS = 2
 # 10 it takes (1.52x in geometric mean), and 0.92-1.28x at the 8 it leaves,
 # whose units filled 15-36% of the SMs.
 MOSAIC_SPLIT_FILL = 0.5
+# Above SPLIT_CHUNK_ROWS rows a chunked GEMM splits where its in-program pick's
+# tiles fill less than IN_PROGRAM_SPLIT_FILL of the CTA slots. On an H200, over 22
+# random such GEMMs of 257-2048 rows, the split won at every fill up to 0.83
+# (1.02-2.74x) and lost at every fill from 0.93 (benchmarks/results/h100.md,
+# fifty-second section); on 40 drawn afterwards it ran 1.10x as fast as in-program
+# chunks at the 7 of fill 0.5-0.85 (6 faster, 1 slower: 0.87x at fill 0.83), and
+# 1.17-1.45x at a Qwen2.5-1.5B down projection and LM head's dA of 384-512 rows
+# in that band (fifty-third section).
+IN_PROGRAM_SPLIT_FILL = 0.85
 # Above hopper_matmul.LADDER_ROWS rows the forward and dA stay on the Triton ladder
 # where its tiles stream the weight once and the Mosaic kernel's pick reads it
 # twice, over a contraction of at least LADDER_MIN_CONTRACTION, on waves at least
@@ -499,7 +508,8 @@ def splits_chunks(layout: Layout, rows: int, cols: int, contraction: int,
   programs of their own: over at least SPLIT_MIN_CHUNKS whole chunks, and up to
   SPLIT_CHUNK_ROWS rows on any kernel; above, only on the Mosaic GPU kernel
   (``mosaic_split``, :func:`mosaic_split_tiles`'s) and where the tiles of its
-  in-program pick (:func:`mosaic_pick`) do not fill the SMs (:func:`fills_the_sms`)."""
+  in-program pick (:func:`mosaic_pick`) fill less than IN_PROGRAM_SPLIT_FILL of
+  the SMs (:func:`fills_the_sms`)."""
   if contraction < SPLIT_MIN_CHUNKS * contraction_chunk:
     return False
   if rows <= SPLIT_CHUNK_ROWS:
@@ -508,13 +518,13 @@ def splits_chunks(layout: Layout, rows: int, cols: int, contraction: int,
     return False
   in_program = mosaic_pick(layout, rows, cols, contraction, out_dtype, num_sms, chunked=True)
   return in_program is not None and not fills_the_sms(
-      in_program, in_program.tile_count(rows, cols), num_sms)
+      in_program, in_program.tile_count(rows, cols), num_sms, fill=IN_PROGRAM_SPLIT_FILL)
 
 
-def fills_the_sms(tiles: mosaic.HopperTiles, ctas: int, num_sms: int) -> bool:
-  """Whether ``ctas`` CTAs of ``tiles`` fill at least MOSAIC_SPLIT_FILL of the
-  CTA slots that a GPU of ``num_sms`` SMs runs at once."""
-  return ctas >= MOSAIC_SPLIT_FILL * tiles.concurrent_ctas(num_sms)
+def fills_the_sms(tiles: mosaic.HopperTiles, ctas: int, num_sms: int, fill: float) -> bool:
+  """Whether ``ctas`` CTAs of ``tiles`` fill at least ``fill`` of the CTA slots
+  that a GPU of ``num_sms`` SMs runs at once."""
+  return ctas >= fill * tiles.concurrent_ctas(num_sms)
 
 
 def mosaic_split_tiles(layout: Layout, rows: int, cols: int, contraction: int,
@@ -525,8 +535,8 @@ def mosaic_split_tiles(layout: Layout, rows: int, cols: int, contraction: int,
   partials: ``hopper_matmul.matmul``'s ``split_chunks``), or None where such a
   split runs on the Triton ladder instead: a device, dtype or sizes the kernel
   does not take (module docstring), no tile that fits, or, up to
-  SPLIT_CHUNK_ROWS rows, units of the pick that do not fill the SMs
-  (:func:`fills_the_sms`). The pick is :func:`mosaic_pick`'s over the units
+  SPLIT_CHUNK_ROWS rows, units of the pick that fill less than MOSAIC_SPLIT_FILL
+  of the SMs (:func:`fills_the_sms`). The pick is :func:`mosaic_pick`'s over the units
   (``units`` = the chunks) for the float32 partials, so among tiles that are not
   transposed, whatever their accumulator."""
   if not _mosaic_takes(layout, rows, cols, contraction, dtype, device):
@@ -534,7 +544,8 @@ def mosaic_split_tiles(layout: Layout, rows: int, cols: int, contraction: int,
   units = cdiv(contraction, contraction_chunk)
   tiles = mosaic_pick(layout, rows, cols, contraction, jnp.float32, num_sms, units=units)
   if not tiles or (rows <= SPLIT_CHUNK_ROWS
-                   and not fills_the_sms(tiles, tiles.tile_count(rows, cols) * units, num_sms)):
+                   and not fills_the_sms(tiles, tiles.tile_count(rows, cols) * units, num_sms,
+                                         fill=MOSAIC_SPLIT_FILL)):
     return None
   return pallas_triton.fit_stages(tiles, dtype, jnp.float32)
 
