@@ -459,9 +459,9 @@ def test_plan_splits_on_the_mosaic_kernel_where_its_units_fill_the_sms():
   # Above SPLIT_CHUNK_ROWS: where the in-program pick's tiles fill less than
   # IN_PROGRAM_SPLIT_FILL of the SMs.
   for rows, cols, contraction, split in ((466, 256, 3872, True),  # 8 x 2 tiles in-program
-                                         (512, 1536, 151936, True),  # 8 x 12 tiles, 132 slots: 0.73
-                                         (968, 720, 10976, True),  # 16 x 6 tiles, 120 slots: 0.80
-                                         (640, 1536, 18944, False),  # 10 x 12 tiles, 132 slots: 0.91
+                                         (512, 1536, 151936, True),  # 8 x 12 tiles of 132: 0.73
+                                         (968, 720, 10976, True),  # 16 x 6 tiles of 120: 0.80
+                                         (640, 1536, 18944, False),  # 10 x 12 tiles of 132: 0.91
                                          (948, 1152, 4736, False),  # T72 x 128: 14 x 9
                                          (969, 1024, 15360, False)):  # 16 x 8
     chosen = _plan(Layout.NN, rows, cols, contraction)
