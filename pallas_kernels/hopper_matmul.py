@@ -16,7 +16,9 @@ chunks, each chunk of each tile, into float32 partials that
 has a TMA producer warpgroup and two consumer warpgroups, each owning half of a
 ``block_m x 2 block_n`` tile. The producer streams the contraction steps of all
 the program's tiles through one ring of shared-memory stages, so it runs on
-into the next tile's loads while the consumers store the last one. The last row
+into the next tile's loads while the consumers store the last one. With enough
+stages (``IN_FLIGHT_MIN_STAGES``) a consumer issues a step's wgmma before the
+last step's has finished, and frees that step's stage once it has. The last row
 and column of tiles are shifted back to end at the result's edge, overlapping
 their neighbours (whose rows and columns they recompute to the same bits and
 store again), so no tile reads zero-filled rows past an operand: at K = 13824
@@ -197,6 +199,17 @@ class HopperTiles:
     return 4 * EPILOGUE_TILE * 128
 
 
+# With at least this many stages, a consumer leaves each step's wgmma in flight while
+# it issues the next and frees the step's slot one step later, so the tensor cores
+# get the chained steps back to back: the same wgmma sequence into the same
+# accumulator, so the same bits. Freeing slots later costs the producer a stage, so
+# a tile of fewer stages waits for each step instead. On an H200
+# (benchmarks/results/h100.md, fifty-fourth section), at 18 GEMMs whose picks have
+# 6-8 stages (few tiles, each over a long contraction: down projections at 100-384
+# rows, dA over a wide weight) it ran 1.00-1.19x as fast, 1.08x in geometric mean;
+# at 36 of 3-5 stages 0.91-1.10x, 0.99x.
+IN_FLIGHT_MIN_STAGES = 6
+
 # Clusters of 2 x 2 CTAs that an H100 (H100_SM_COUNT SMs) runs at once, measured:
 # grids of 24-30 such clusters ran as one wave, grids of 32 1.3-1.6x slower than the
 # paired tiles they would replace (eight tiles at four shapes; benchmarks/results/
@@ -332,6 +345,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   epi_cols = out_swizzle // jnp.dtype(out_dtype).itemsize
   lhs_t, rhs_t = layout is Layout.TN, layout is Layout.NT
   stages = min(tiles.num_stages, k_steps)
+  in_flight = stages >= IN_FLIGHT_MIN_STAGES
   num_m, num_n = cdiv(rows, bm), cdiv(cols, cta_n)
   # A cluster's row (column) blocks count as one.
   num_groups_m, num_groups_n = cdiv(num_m, tiles.cluster_rows), cdiv(num_n, tiles.cluster_cols)
@@ -448,6 +462,8 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
           def steps_sum(first, count):
             """The sum from zero of ``count`` steps from the tile's step ``first``."""
             def mainloop(acc_ref):
+              start = steps_done + first
+
               def step(_, c):
                 slot = lax.rem(c, stages)
                 plgpu.barrier_wait(loaded.at[slot])
@@ -456,11 +472,20 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
                     plgpu.wgmma(acc_ref.at[pl.ds(p * piece_m, piece_m),
                                            pl.ds(q * piece_n, piece_n)],
                                 *operands(slot, p, q))
-                plgpu.wgmma_wait(0)
-                plgpu.barrier_arrive(consumed.at[slot])
+                if not in_flight:
+                  plgpu.wgmma_wait(0)
+                  plgpu.barrier_arrive(consumed.at[slot])
+                  return c + 1
+                plgpu.wgmma_wait(1)  # the step before is done: free its slot
+                pl.when(c > start)(
+                    lambda: plgpu.barrier_arrive(consumed.at[lax.rem(c - 1, stages)]))
                 return c + 1
 
-              lax.fori_loop(0, count, step, steps_done + first)
+              end = lax.fori_loop(0, count, step, start)
+              if in_flight:
+                plgpu.wgmma_wait(0)
+                pl.when(end > start)(
+                    lambda: plgpu.barrier_arrive(consumed.at[lax.rem(end - 1, stages)]))
 
             return pl.run_state(mainloop)(plgpu.ACC.init(zeros))
 

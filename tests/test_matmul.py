@@ -1071,6 +1071,23 @@ def test_envelope_plan_list_holds_every_plan_choice():
               layout, groups, rows, cols, contraction, chosen)
 
 
+def test_envelope_runs_mosaic_steps_in_flight_and_waited():
+  """The GPU envelope's Mosaic GPU plans (:func:`_every_plan` at EVERY_PLAN_KN,
+  forward, dA and dB) include tiles whose consumers leave a step's wgmma in flight
+  (``hopper_matmul.IN_FLIGHT_MIN_STAGES`` stages or more) and tiles that wait for
+  each step, so the bit comparisons run both consumer loops."""
+  stage_counts = set()
+  for k, n in EVERY_PLAN_KN:
+    for layout, rows, cols, contraction in ((Layout.NN, GPU_SWEEP_ROWS, n, k),
+                                            (Layout.NT, GPU_SWEEP_ROWS, k, n),
+                                            (Layout.TN, k, n, GPU_SWEEP_ROWS)):
+      stage_counts |= {min(p.tiles.num_stages, kernels.cdiv(contraction, kernels.BLOCK_K))
+                       for p in _sampled(_every_plan(layout, rows, cols, contraction, bf16,
+                                                     device=H100))
+                       if p.kernel is Kernel.MOSAIC_GPU}
+  assert max(stage_counts) >= hopper.IN_FLIGHT_MIN_STAGES > min(stage_counts), stage_counts
+
+
 @functools.cache
 def _plans_taken(rows_limit: int, cols: int, contraction: int, layout) -> dict:
   """Each plan (kernel and tiles) jdet.matmul takes for the forward or dA at some
