@@ -1,4 +1,5 @@
-"""jdet.rms_norm vs ``jit`` of the jnp reference (XLA's fusions), forward and forward+backward, bf16.
+"""jdet.rms_norm vs ``jit`` of the jnp reference (XLA's fusions), forward and
+forward+backward, bf16.
 
 Rows labelled ``rms_norm`` normalise x; ``rms_norm[residual]`` are the fused
 ``(rms_norm(x + residual) * weight, x + residual)``; the backward baseline is

@@ -105,7 +105,8 @@ def sweep(sizes=kernels.SIZES, kernel_names=tuple(SWEEP)):
 def main():
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
-  parser.add_argument("--sweep", action="store_true", help="time the GPU tile candidates (GPU only)")
+  parser.add_argument("--sweep", action="store_true",
+                      help="time the GPU tile candidates (GPU only)")
   parser.add_argument("--sizes", type=int, nargs="*", default=list(kernels.SIZES),
                       help="n values for --sweep")
   parser.add_argument("--kernels", nargs="*", choices=tuple(SWEEP), default=list(SWEEP),
@@ -115,7 +116,8 @@ def main():
     print(f"# jdet.tri_inverse tile sweep on {bench.device_description()}")
     sweep(args.sizes, args.kernels)
   else:
-    bench.report("jdet.tri_inverse", OPS["tri_inverse"].bench_cases(bench.on_gpu() and not args.quick))
+    bench.report("jdet.tri_inverse",
+                 OPS["tri_inverse"].bench_cases(bench.on_gpu() and not args.quick))
 
 
 if __name__ == "__main__":
