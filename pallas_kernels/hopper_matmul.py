@@ -464,6 +464,10 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
             def mainloop(acc_ref):
               start = steps_done + first
 
+              def free(c):
+                """Frees the slot of the ring step ``c`` for the producer."""
+                plgpu.barrier_arrive(consumed.at[lax.rem(c, stages)])
+
               def step(_, c):
                 slot = lax.rem(c, stages)
                 plgpu.barrier_wait(loaded.at[slot])
@@ -472,20 +476,18 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
                     plgpu.wgmma(acc_ref.at[pl.ds(p * piece_m, piece_m),
                                            pl.ds(q * piece_n, piece_n)],
                                 *operands(slot, p, q))
-                if not in_flight:
+                if in_flight:
+                  plgpu.wgmma_wait(1)  # the step before is done
+                  pl.when(c > start)(lambda: free(c - 1))
+                else:
                   plgpu.wgmma_wait(0)
                   plgpu.barrier_arrive(consumed.at[slot])
-                  return c + 1
-                plgpu.wgmma_wait(1)  # the step before is done: free its slot
-                pl.when(c > start)(
-                    lambda: plgpu.barrier_arrive(consumed.at[lax.rem(c - 1, stages)]))
                 return c + 1
 
               end = lax.fori_loop(0, count, step, start)
               if in_flight:
                 plgpu.wgmma_wait(0)
-                pl.when(end > start)(
-                    lambda: plgpu.barrier_arrive(consumed.at[lax.rem(end - 1, stages)]))
+                pl.when(end > start)(lambda: free(end - 1))
 
             return pl.run_state(mainloop)(plgpu.ACC.init(zeros))
 
