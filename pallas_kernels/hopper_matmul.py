@@ -14,7 +14,8 @@ One program per SM walks the output tiles (a persistent grid; with split
 chunks, each chunk of each tile, into float32 partials that
 ``pallas_kernels.matmul.chunk_total`` adds in order). Each program
 has a TMA producer warpgroup and two consumer warpgroups, each owning half of a
-``block_m x 2 block_n`` tile. The producer streams the contraction steps of all
+``block_m x 2 block_n`` tile (one, owning all of it, in the stream tiles:
+:func:`stream_tiles`). The producer streams the contraction steps of all
 the program's tiles through one ring of shared-memory stages, so it runs on
 into the next tile's loads while the consumers store the last one. With enough
 stages (``IN_FLIGHT_MIN_STAGES``) a consumer issues a step's wgmma before the
@@ -34,7 +35,9 @@ rhs block by TMA multicast (``HopperTiles.multicast``), and where the lhs's rows
 miss them too, in clusters of 2 x 2 that share the lhs blocks as well
 (``HopperTiles.multicast_lhs``). The forward and dA
 may run transposed tiles (``HopperTiles.transposed``), whose row count is
-wgmma's N and so any multiple of 8. Only 16-bit operands (bfloat16, float16).
+wgmma's N and so any multiple of 8; a transposed tile taller than the result
+loads and stores only the result's rows (the plan runs only stream tiles so).
+Only 16-bit operands (bfloat16, float16).
 """
 
 from __future__ import annotations
@@ -83,7 +86,10 @@ class HopperTiles:
   104 x 256, 128 programs on 132 SMs, rather than 7 x 16 of 128 x 256 with 119
   rows empty and 20 SMs idle. The epilogue transposes each piece back. The products
   are the same wgmma chains with the operands' roles swapped, so the sums and
-  their bits are those of the plain tiles."""
+  their bits are those of the plain tiles.
+
+  ``consumers``: the consumer warpgroups, 2, or 1 for a tile of ``block_n``
+  columns (:func:`stream_tiles`)."""
   block_m: int = 128
   block_n: int = 128
   num_stages: int = 4
@@ -94,8 +100,11 @@ class HopperTiles:
   multicast: bool = False
   transposed: bool = False
   multicast_lhs: bool = False
+  consumers: int = 2
 
   def __post_init__(self):
+    if self.consumers not in (1, 2) or (self.split_rows and self.consumers != 2):
+      raise ValueError(f"consumers must be 1 or 2, and 2 with split_rows; got {self}")
     if self.split_rows and self.block_m != 128:
       raise ValueError(f"split_rows needs block_m = 128 (a wgmma takes 64 rows per "
                        f"warpgroup), got block_m = {self.block_m}")
@@ -109,8 +118,8 @@ class HopperTiles:
 
   @property
   def block_cols(self) -> int:
-    """Columns of a program's output tile: both warpgroups' halves."""
-    return 2 * self.block_n
+    """Columns of a program's output tile: its consumer warpgroups' parts."""
+    return self.consumers * self.block_n
 
   @property
   def accumulator_shape(self) -> tuple[int, int]:
@@ -181,10 +190,13 @@ class HopperTiles:
 
   def fits(self, rows: int, cols: int) -> bool:
     """Whether the program tile lies inside a rows x cols result (edge tiles may
-    overhang it). The kernel takes each tile as a slice of the result and the
-    operands; a slice longer than its dimension gave wrong rows on the H100 (a
-    64-column result with a 128-column tile)."""
-    return self.block_m <= rows and self.block_cols <= cols
+    overhang it), but for the rows of a stream tile (:func:`stream_tiles`): where
+    the result has fewer, it loads and stores those alone. The kernel takes each
+    tile as a slice of the result and the operands; a slice longer than its
+    dimension gave wrong rows on the H100 (a 64-column result with a 128-column
+    tile)."""
+    streams = self.transposed and self.consumers == 1
+    return (self.block_m <= rows or streams) and self.block_cols <= cols
 
   def stage_bytes(self, dtype) -> int:
     return (self.block_m + self.block_cols) * BLOCK_K * jnp.dtype(dtype).itemsize
@@ -195,8 +207,8 @@ class HopperTiles:
     with ``transposed`` one per consumer warpgroup of ``block_m`` rows."""
     del out_dtype
     if self.transposed:
-      return 2 * self.block_m * 128
-    return 4 * EPILOGUE_TILE * 128
+      return self.consumers * self.block_m * 128
+    return 2 * self.consumers * EPILOGUE_TILE * 128
 
 
 # With at least this many stages, a consumer leaves each step's wgmma in flight while
@@ -278,6 +290,23 @@ COLUMN_STRIP_WIDTH = 4
 # above this where it streams the weight once (matmul_plan.ladder_keeps).
 LADDER_ROWS = 64
 
+# A forward or dA of few rows over a long contraction may stream the weight
+# through tiles of one consumer warpgroup (matmul_plan.mosaic_stream_tiles):
+# 64 weight columns a program, twice the programs of the two-consumer tiles, the
+# rows on wgmma's N side, and STREAM_STAGES stages (fewer where shared memory runs
+# out). On an H200 (benchmarks/results/h100.md, fifty-fifth section), at 1-31 rows
+# of weights of 56-64 such tiles over 11,008-18,944 indices, 16 stages moved
+# 3.4-4.0 TB/s, 8, 12, 20 and 24 stages 3.1-3.6; at 80 tiles (13824 x 5120) 16
+# stages 3.8-4.1 TB/s, 12 stages 4.1-4.2.
+STREAM_STAGES = 16
+
+
+def stream_tiles(rows: int) -> HopperTiles:
+  """The one-consumer transposed tiles for a forward or dA of ``rows`` rows (at
+  most 256): ``rows`` rounded up to 8 result rows (wgmma's N) by 64 weight
+  columns, STREAM_STAGES stages before ``fit_stages``."""
+  return HopperTiles(cdiv(rows, 8) * 8, 64, STREAM_STAGES, transposed=True, consumers=1)
+
 
 def _block_ring(block, dtype, slots: int, swizzle: int, *, tiled: bool):
   """Shared memory for ``slots`` [rows, cols] blocks of an operand or the result
@@ -346,6 +375,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   lhs_t, rhs_t = layout is Layout.TN, layout is Layout.NT
   stages = min(tiles.num_stages, k_steps)
   in_flight = stages >= IN_FLIGHT_MIN_STAGES
+  tile_rows = min(bm, rows)  # a transposed tile takes fewer where the result has fewer
   num_m, num_n = cdiv(rows, bm), cdiv(cols, cta_n)
   # A cluster's row (column) blocks count as one.
   num_groups_m, num_groups_n = cdiv(num_m, tiles.cluster_rows), cdiv(num_n, tiles.cluster_cols)
@@ -364,7 +394,8 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
                               tiles.strip_width)
     row_block = jnp.minimum(i * tiles.cluster_rows + cta_row, num_m - 1)
     col_block = jnp.minimum(j * tiles.cluster_cols + cta_col, num_n - 1)
-    return jnp.minimum(row_block * bm, rows - bm), jnp.minimum(col_block * cta_n, cols - cta_n)
+    return (jnp.minimum(row_block * bm, rows - tile_rows),
+            jnp.minimum(col_block * cta_n, cols - cta_n))
 
   def unit_work(unit):
     """A unit's tile, its first contraction step, its step count and the first
@@ -389,16 +420,17 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
   rings = (_block_ring(lhs_block, dtype, stages, swizzle, tiled=lhs_tiled),
            _block_ring(rhs_block, dtype, stages, swizzle, tiled=rhs_tiled),
            _block_ring((bm, epi_cols) if tiles.transposed else (epi, epi_cols), out_dtype,
-                       2 if tiles.transposed else 4, out_swizzle, tiled=False))
+                       tiles.consumers * (1 if tiles.transposed else 2), out_swizzle,
+                       tiled=False))
   # A slot's copies (lhs and rhs blocks, see _copy_block) arrive on its loaded
-  # barrier; both consumers release it.
+  # barrier; every consumer releases it.
   copies_per_stage = sum(1 if is_tiled else block[1] // width
                          for block, is_tiled in ((lhs_block, lhs_tiled), (rhs_block, rhs_tiled)))
   # In a cluster a slot is free once every CTA's consumers release it.
   barriers = (plgpu.Barrier(num_arrivals=copies_per_stage, num_barriers=stages),
-              plgpu.ClusterBarrier(collective_axes=cluster_axes, num_arrivals=2,
+              plgpu.ClusterBarrier(collective_axes=cluster_axes, num_arrivals=tiles.consumers,
                                    num_barriers=stages) if cluster_axes
-              else plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+              else plgpu.Barrier(num_arrivals=tiles.consumers, num_barriers=stages))
   # A consumer's accumulator takes one wgmma per column tile of an operand
   # block stored as column tiles (TN's lhs by rows, NN's and TN's rhs by columns).
   if tiles.transposed:
@@ -413,7 +445,7 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
         lhs_smem, rhs_smem, out_smem)
     wg = lax.axis_index("wg")
 
-    @pl.when(wg < 2)
+    @pl.when(wg < tiles.consumers)
     def _consumer():
       plgpu.set_max_registers(232, action="increase")
       if tiles.transposed:
@@ -509,8 +541,9 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
               out_stage.at[wg, 0].transpose((1, 0))[...] = piece
               plgpu.commit_smem()
               plgpu.copy_smem_to_gmem(
-                  out_copies.at[wg, 0],
-                  out_gmem.at[pl.ds(first_row, bm),
+                  out_copies.at[wg, 0] if tile_rows == bm
+                  else out_copies.at[wg, 0, pl.ds(0, tile_rows)],
+                  out_gmem.at[pl.ds(first_row, tile_rows),
                               pl.ds(first_col + wg_col0 + e * epi_cols, epi_cols)])
             return
           plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -530,21 +563,23 @@ def _kernel(lhs_gmem, rhs_gmem, out_gmem, *, layout: Layout, tiles: HopperTiles,
       lax.fori_loop(0, cdiv(num_units, programs), consume, jnp.int32(0))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    @pl.when(wg == 2)
+    @pl.when(wg == tiles.consumers)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
 
       def produce(j, steps_done):
         tile, first_step, step_count, _ = unit_work(program + j * programs)
         first_row, first_col = tile_slices(tile)
-        m_slice, n_slice = pl.ds(first_row, bm), pl.ds(first_col, cta_n)
+        m_slice, n_slice = pl.ds(first_row, tile_rows), pl.ds(first_col, cta_n)
 
         def step(k, c):
           slot = lax.rem(c, stages)
           pl.when(c >= stages)(lambda: plgpu.barrier_wait(consumed.at[slot]))
           ks, k0 = pl.ds(k * BLOCK_K, BLOCK_K), k * BLOCK_K
           lhs_rows, lhs_col = (ks, first_row) if lhs_t else (m_slice, k0)
-          _copy_block(lhs_gmem, lhs_rows, lhs_col, lhs_copies.at[slot], loaded.at[slot],
+          lhs_slot = (lhs_copies.at[slot] if tile_rows == bm
+                      else lhs_copies.at[slot, :, pl.ds(0, tile_rows)])
+          _copy_block(lhs_gmem, lhs_rows, lhs_col, lhs_slot, loaded.at[slot],
                       multicast=CLUSTER_COLS if tiles.multicast_lhs else None)
           rhs_rows, rhs_col = (n_slice, k0) if rhs_t else (ks, first_col)
           _copy_block(rhs_gmem, rhs_rows, rhs_col, rhs_copies.at[slot], loaded.at[slot],
@@ -673,6 +708,6 @@ def _launch(lhs, rhs, *, layout: Layout, out_dtype, tiles: HopperTiles, rows: in
       grid_names=("sm",),
       cluster=(tiles.cluster_rows, tiles.cluster_cols),
       cluster_names=(CLUSTER, CLUSTER_COLS),
-      num_threads=3,
+      num_threads=tiles.consumers + 1,
       thread_name="wg",
   )(lhs, rhs)
