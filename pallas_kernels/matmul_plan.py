@@ -10,7 +10,8 @@ choose by any size, the token count included. It chooses speed, never bits:
 * ``Kernel.MOSAIC_GPU`` (:mod:`pallas_kernels.hopper_matmul`): TMA + wgmma on a
   persistent grid. An H100, 16-bit operands, one problem (no groups), more than
   ``hopper_matmul.LADDER_ROWS`` rows for the forward and dA (but where the
-  plan keeps the ladder: :func:`ladder_keeps`), a result no
+  plan keeps the ladder: :func:`ladder_keeps`; up to ``STREAM_ROWS`` rows where it
+  streams the weight through one-consumer tiles: :func:`mosaic_stream_tiles`), a result no
   smaller than a program tile, and 16-byte row pitches (``hopper_matmul.takes``:
   the minor dimension of each operand and of the result a multiple of 8). It
   copies no operand, whatever the token count; where an operand's rows miss 16
@@ -170,6 +171,23 @@ WORD_BYTES = 4
 # contractions, 288-512 indices or 104-128 tokens, not explained); padding would
 # have slowed 7 of the 8 it declined.
 PITCH_PAD_MIN_MACS = 1 << 28
+# Up to STREAM_ROWS rows a single forward or dA over a contraction of at least
+# STREAM_MIN_CONTRACTION runs on the Mosaic GPU kernel's stream tiles
+# (hopper_matmul.stream_tiles) where their programs fit in one wave
+# (mosaic_stream_tiles): TMA streams a weight faster than the Triton ladder's
+# 16-32-column programs, whose rate stays near 26-48 GB/s each (h100.md,
+# forty-ninth section). On an H200 (fifty-fifth section), at 1-31 rows of six
+# weights of 32-80 such tiles over 4096-18,944 indices the tiles ran 1.11-1.27x as
+# fast as the ladder's pick, at 128 tiles (Llama-3 70B's down projection) 1.00-
+# 1.02x; over 2048 indices (the MoE expert, 24 tiles) 0.81-0.89x at 1-16 rows; at
+# 216-296 tiles (two or three waves) 0.87-0.95x at 1-16 rows. At the 29 GEMMs of
+# 1-43 rows of a draw made afterwards that the rule sends them, 1.12x (26
+# faster, 0.81-1.41x). The tiles of 56 and 64 rows (14 and 13 stages in shared
+# memory) ran 0.89x and 0.98x at the draw's two GEMMs of 51-57 rows, and the
+# grid's Llama-3 8B and Qwen2.5-7B down projections at 64 rows 0.92x / 0.91x as
+# fast as the forty-eighth session's ladder rows there, so the ladder keeps them.
+STREAM_ROWS = 48
+STREAM_MIN_CONTRACTION = 4096
 
 
 def fixed_contraction_chunk(layout: Layout, cols: int, contraction: int) -> int | None:
@@ -314,13 +332,14 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   ``contraction_chunk``) is the Mosaic GPU kernel's (so a Hopper GPU and 16-bit
   operands). Zero padding adds zero products in the contraction's last step and
   columns that are sliced off, so the bits are those of the unpadded GEMM on
-  any kernel."""
+  any kernel. Not the stream tiles (:func:`mosaic_stream_tiles`): at their few
+  rows the copy of the weight costs about what the GEMM does."""
   if rows * cols * contraction < PITCH_PAD_MIN_MACS:
     return None
   sizes = pitch_padded_sizes(layout, rows, cols, contraction)
   padded = plan(layout, *sizes, dtype=dtype, out_dtype=out_dtype, device=device,
                 contraction_chunk=contraction_chunk or sizes[2], split_chunks=split_chunks)
-  if padded.kernel is not Kernel.MOSAIC_GPU:
+  if padded.kernel is not Kernel.MOSAIC_GPU or padded.tiles.consumers == 1:
     return None
   return dataclasses.replace(padded, pitch_padded=True)
 
@@ -463,18 +482,36 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
   docstring): sizes it takes (``hopper_matmul.takes``) and a program tile that
   fits the result (``HopperTiles.fits``); the forward and dA above LADDER_ROWS
   rows but where the plan keeps the ``ladder``'s tiles (:func:`ladder_keeps`);
-  ``chunked``: see :func:`triton_tiles`."""
+  ``chunked``: see :func:`triton_tiles`; the forward and dA of at most
+  LADDER_ROWS rows only on :func:`mosaic_stream_tiles`' tiles."""
   if groups != 1 or not _mosaic_takes(layout, rows, cols, contraction, dtype, device):
     return None
   rows_are_tokens = layout is not Layout.TN  # the forward and dA
   if rows_are_tokens and rows <= mosaic.LADDER_ROWS:
-    return None
+    return mosaic_stream_tiles(layout, rows, cols, contraction, dtype, out_dtype, num_sms)
   tiles = mosaic_pick(layout, rows, cols, contraction, out_dtype, num_sms, chunked=chunked)
   if not tiles or (rows_are_tokens and ladder_keeps(ladder, tiles, rows, cols, contraction,
                                                     num_sms)):
     return None
   return pallas_triton.fit_stages(mosaic_strips(tiles, rows, cols, contraction),
                                   dtype, out_dtype)
+
+
+def mosaic_stream_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
+                        out_dtype, num_sms: int) -> mosaic.HopperTiles | None:
+  """The stream tiles (``hopper_matmul.stream_tiles``) for a single forward or
+  dA of a [rows, cols] result, at most ``STREAM_ROWS`` rows, over
+  ``contraction`` that the Mosaic GPU kernel takes (:func:`_mosaic_takes`), with
+  its stages fitted; or None where the Triton ladder runs it: a contraction
+  shorter than STREAM_MIN_CONTRACTION, a result narrower than a tile, or more
+  tiles than ``num_sms`` (one wave)."""
+  if (layout is Layout.TN or rows > STREAM_ROWS
+      or contraction < STREAM_MIN_CONTRACTION or not mosaic.transposed_takes(layout, out_dtype)):
+    return None
+  tiles = mosaic.stream_tiles(rows)
+  if not tiles.fits(rows, cols) or tiles.tile_count(rows, cols) > num_sms:
+    return None
+  return pallas_triton.fit_stages(tiles, dtype, out_dtype)
 
 
 def _mosaic_takes(layout: Layout, rows: int, cols: int, contraction: int, dtype,

@@ -568,14 +568,16 @@ def test_plan_sends_mosaic_only_what_tma_takes():
   """The Mosaic GPU kernel runs 16-bit GEMMs of one problem with a result no
   smaller than one of its tiles and 16-byte row pitches (every operand's and the
   result's minor dimension a multiple of 8): the forward and dA above LADDER_ROWS
-  rows (but where the plan keeps the ladder: matmul_plan.ladder_keeps), a
+  rows (but where the plan keeps the ladder: matmul_plan.ladder_keeps), up to
+  STREAM_ROWS over contractions of STREAM_MIN_CONTRACTION or more in one wave of
+  stream tiles (hopper_matmul.stream_tiles: 64 columns, any rows), a
   chunked contraction's split where its pick's units fill the SMs
   (matmul_plan.mosaic_split_tiles), dB whatever the token count. (Operands
   copied to those pitches: test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays.)"""
   for layout in Layout:
-    for rows in (1, 64, 65, 100, 128, 129, 192, 300, 777, 1000, 1001, 4096):
-      for cols in (64, 128, 192, 320, 1000, 1004, 1024, 4096, 13824, 28672):
-        for contraction in (100, 777, 3000, 4096):
+    for rows in (1, 48, 49, 64, 65, 100, 128, 129, 192, 300, 777, 1000, 1001, 4096):
+      for cols in (64, 128, 192, 320, 1000, 1004, 1024, 4096, 8448, 8456, 13824, 28672):
+        for contraction in (100, 777, 3000, 4096, 4100):
           chosen = _plan(layout, rows, cols, contraction)
           if chosen.pitch_padded:
             continue
@@ -590,12 +592,15 @@ def test_plan_sends_mosaic_only_what_tma_takes():
                                               chunked=chosen.contraction_chunk is not None)
             takes = (cols % 8 == 0 and contraction % 8 == 0
                      and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
-            mosaic_fits = takes and rows > hopper.LADDER_ROWS
+            streams = (cols % 8 == 0 and contraction % 8 == 0 and 64 <= cols <= 132 * 64
+                       and contraction >= matmul_plan.STREAM_MIN_CONTRACTION)
+            mosaic_fits = (takes and rows > hopper.LADDER_ROWS
+                           or streams and rows <= matmul_plan.STREAM_ROWS)
             if chosen.split_chunks:
               mosaic_fits = takes and matmul_plan.mosaic_split_tiles(
                   layout, rows, cols, contraction, chosen.contraction_chunk, bf16, H100,
                   132) is not None
-            elif mosaic_fits:
+            elif mosaic_fits and rows > hopper.LADDER_ROWS:
               pick = matmul_plan.mosaic_pick(layout, rows, cols, contraction, bf16, 132,
                                              chunked=chosen.contraction_chunk is not None)
               mosaic_fits = not matmul_plan.ladder_keeps(ladder, pick, rows, cols, contraction,
@@ -626,11 +631,52 @@ def test_plan_keeps_the_ladder_where_it_streams_the_weight_once():
   assert kernel(80, 11776, 80512) is Kernel.MOSAIC_GPU   # an 80-row transposed Mosaic tile
   for k, n in ((4096, 4096), (14336, 4096), (13824, 5120), (4096, 6144), (768, 2048)):
     assert kernel(100, k, n) is Kernel.MOSAIC_GPU, (k, n)  # 64-row ladder tiles
-  assert kernel(64, 4096, 4096) is Kernel.PALLAS_TRITON  # LADDER_ROWS
+  assert kernel(64, 3072, 4096) is Kernel.PALLAS_TRITON  # LADDER_ROWS (a contraction the
+  # stream tiles leave: test_plan_streams_few_rows_through_one_consumer_tiles)
   assert kernel(129, 4096, 128256) is kernel(65, 768, 2048) is Kernel.MOSAIC_GPU
   # dA into a wide activation gradient ([100, 28672] over 8192) keeps the ladder too.
   assert kernel(100, 28672, 8192, Layout.NT) is Kernel.PALLAS_TRITON
   assert kernel(100, 8192, 28672, Layout.NT) is Kernel.MOSAIC_GPU
+
+
+def test_plan_streams_few_rows_through_one_consumer_tiles():
+  """Up to STREAM_ROWS rows the forward and dA over a contraction of at least
+  STREAM_MIN_CONTRACTION run on the Mosaic GPU kernel's stream tiles (one
+  consumer warpgroup, 64 weight columns, the rows rounded up to 8 on wgmma's N
+  side) where those fill at most one wave of 132 SMs; GEMMs of the H200 probes
+  (benchmarks/results/h100.md, fifty-fifth section)."""
+  def tiles(rows, cols, contraction, layout=Layout.NN, **options):
+    chosen = _plan(layout, rows, cols, contraction, **options)
+    return chosen.tiles if chosen.kernel is Kernel.MOSAIC_GPU else None
+
+  for rows, block_m in ((1, 8), (5, 8), (8, 8), (9, 16), (31, 32), (41, 48), (48, 48)):
+    for layout in (Layout.NN, Layout.NT):
+      streamed = tiles(rows, 4096, 14336, layout)
+      assert (streamed.block_m, streamed.block_cols, streamed.consumers) == (block_m, 64, 1)
+      assert streamed.transposed and streamed.fits(rows, 4096)
+      assert streamed == kernels.fit_stages(hopper.stream_tiles(rows), bf16, bf16)
+  assert tiles(1, 4096, 14336).num_stages == hopper.STREAM_STAGES
+  assert tiles(48, 4096, 14336).num_stages < hopper.STREAM_STAGES  # shared memory
+  assert tiles(49, 4096, 14336) is tiles(64, 4096, 14336) is None  # the ladder's rows
+  assert tiles(65, 4096, 14336).consumers == 2
+  assert tiles(16, 4096, 4096).consumers == 1                          # STREAM_MIN_CONTRACTION
+  assert tiles(16, 4096, 4088) is None
+  assert tiles(16, 1536, 2048) is None                                 # the MoE expert
+  assert tiles(16, 132 * 64, 28672).consumers == 1                     # one wave
+  assert tiles(16, 132 * 64 + 8, 28672) is None
+  assert tiles(16, 14336, 4096) is None                                # 224 tiles
+  assert tiles(16, 4096, 14336, out_dtype=jnp.float32) is None         # not transposed
+  assert tiles(16, 4096, 4100) is None      # no pitch-padded copy of a streamed weight
+  assert tiles(16, 4100, 14336) is None     # nor of a weight of unaligned width
+  assert _plan(Layout.NN, 16, 4096, 14336, groups=2).kernel is Kernel.PALLAS_TRITON
+  assert _plan(Layout.NN, 16, 4096, 14336, device=matmul_plan.Device("gpu", "8.0", 108)
+               ).kernel is Kernel.PALLAS_TRITON
+  # The plain tiles keep two consumers; one consumer is 1 or 2 warpgroups' worth.
+  assert all(t.consumers == 2 for t in hopper.ROW_TILES + hopper.TRANSPOSED_TILES)
+  with pytest.raises(ValueError, match="consumers must be 1 or 2"):
+    hopper.HopperTiles(64, 64, consumers=3)
+  with pytest.raises(ValueError, match="consumers must be 1 or 2"):
+    hopper.HopperTiles(split_rows=True, consumers=1)
 
 
 def test_plan_triton_tile_rule():
@@ -886,7 +932,8 @@ def test_mosaic_kernel_rejects_sizes_it_does_not_take():
 @pytest.mark.skipif(on_gpu(), reason="the GPU tests compile the kernel for real")
 def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
   """Each Mosaic GPU tile, its multicast and 2 x 2 twins and the sampled
-  transposed tiles (forward and dA; the others with split chunks too) lower for
+  transposed tiles (forward and dA; the others with split chunks too), and the
+  stream tiles over fewer rows than theirs and as many, lower for
   an H100 (132 SMs) in each layout, with operand
   blocks copied whole (tiled: 64-aligned weight columns, a token count that 8
   divides) and one column tile at a time (1000 weight columns, 301 tokens), and
@@ -910,6 +957,12 @@ def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
         split = functools.partial(gemm, tiles=kernels.fit_stages(tiles, bf16, jnp.float32),
                                   contraction_chunk=1024, split_chunks=True)
         jax.jit(split).trace(sd(lhs, bf16), sd(rhs, bf16)).lower(lowering_platforms=("cuda",))
+  for layout, lhs, rhs in ((Layout.NN, (5, 3000), (3000, 1000)), (Layout.NT, (1, 3000),
+                                                                  (1000, 3000)),
+                           (Layout.NN, (64, 4096), (4096, 1024))):
+    tiles = kernels.fit_stages(hopper.stream_tiles(lhs[0]), bf16, bf16)
+    gemm = functools.partial(hopper.matmul, layout=layout, out_dtype=bf16, tiles=tiles)
+    jax.jit(gemm).trace(sd(lhs, bf16), sd(rhs, bf16)).lower(lowering_platforms=("cuda",))
 
 
 def _ladder_tile(tiles):
@@ -923,13 +976,13 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
   """A single 16-bit GEMM on a Hopper GPU whose lhs or rhs rows miss 16 bytes
   runs on operands padded to 16-byte pitches exactly where it does at least
   PITCH_PAD_MIN_MACS multiply-adds and the plan of the padded sizes is the Mosaic
-  GPU kernel's: that plan, with the unpadded GEMM's chunks (which padding does
-  not move). A result whose rows alone miss, groups, float32 operands and other
-  GPUs are never padded."""
+  GPU kernel's, but for its stream tiles (hopper_matmul.stream_tiles): that plan,
+  with the unpadded GEMM's chunks (which padding does not move). A result whose
+  rows alone miss, groups, float32 operands and other GPUs are never padded."""
   ampere = matmul_plan.Device("gpu", "8.0", 108)
   padded_somewhere = set()
   for layout, groups, dtype in itertools.product(Layout, (1, 8), (bf16, jnp.dtype(jnp.float32))):
-    for rows in (1, 64, 100, 300, 1001, 4096):
+    for rows in (1, 48, 64, 100, 300, 1001, 4096):
       for cols in (64, 727, 1000, 1004, 4096):
         for contraction in (100, 487, 1000, 3000, 4099):
           chosen = _plan(layout, rows, cols, contraction, dtype=dtype, groups=groups)
@@ -938,6 +991,7 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
           assert matmul_plan.fixed_contraction_chunk(layout, *sizes[1:]) == chunk
           padded = _plan(layout, *sizes, dtype=dtype, contraction_chunk=chunk or sizes[2])
           pays = (groups == 1 and dtype == bf16 and padded.kernel is Kernel.MOSAIC_GPU
+                  and padded.tiles.consumers == 2
                   and rows * cols * contraction >= matmul_plan.PITCH_PAD_MIN_MACS
                   and matmul_plan.operand_rows_miss_pitch(layout, rows, cols, contraction))
           assert chosen.pitch_padded == pays, (layout, groups, dtype, rows, cols, contraction)
@@ -1003,7 +1057,8 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
   twice, and every tile with the chunks on programs of their own), jax-triton
   where it is installed, and, where the Mosaic GPU kernel serves the sizes, each
   of its candidate tiles (``matmul_plan.mosaic_tile_candidates``), for a chunked
-  contraction with the chunks split too; where the plan pads the operands to
+  contraction with the chunks split too (up to LADDER_ROWS rows its stream tiles:
+  ``hopper_matmul.stream_tiles``); where the plan pads the operands to
   16-byte pitches (``matmul_plan.pitch_padded_plan``), the Mosaic GPU plans of the
   padded sizes, padded. ``device``: the plan's (default: the current one)."""
   chunk = matmul_plan.fixed_contraction_chunk(layout, cols, contraction)
@@ -1025,6 +1080,8 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
     plans += [dataclasses.replace(p, pitch_padded=True)
               for p in _every_plan(layout, *sizes, dtype, device=device)
               if p.kernel is Kernel.MOSAIC_GPU]
+  elif chosen.kernel is Kernel.MOSAIC_GPU and chosen.tiles.consumers == 1:
+    plans.append(chosen)  # the stream tiles, the one Mosaic GPU tile of these rows
   elif chosen.kernel is Kernel.MOSAIC_GPU:
     lhs_aligned, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
     candidates = matmul_plan.mosaic_tile_candidates(
@@ -1052,10 +1109,11 @@ TRANSPOSED_SAMPLE_ROWS = (72, 104, 152, 200, 256)
 
 
 def _sampled(plans):
-  """``plans`` without the transposed Mosaic GPU tiles whose row count is not in
-  TRANSPOSED_SAMPLE_ROWS."""
+  """``plans`` without the two-consumer transposed Mosaic GPU tiles whose row
+  count is not in TRANSPOSED_SAMPLE_ROWS (the stream tiles, one consumer, all
+  stay: the few rows they serve compile and run fast)."""
   return [p for p in plans if not getattr(p.tiles, "transposed", False)
-          or p.tiles.block_m in TRANSPOSED_SAMPLE_ROWS]
+          or p.tiles.block_m in TRANSPOSED_SAMPLE_ROWS or p.tiles.consumers == 1]
 
 
 def test_envelope_plan_list_holds_every_plan_choice():
