@@ -671,7 +671,7 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
   assert _plan(Layout.NN, 16, 4096, 14336, groups=2).kernel is Kernel.PALLAS_TRITON
   assert _plan(Layout.NN, 16, 4096, 14336, device=matmul_plan.Device("gpu", "8.0", 108)
                ).kernel is Kernel.PALLAS_TRITON
-  # The plain tiles keep two consumers; one consumer is 1 or 2 warpgroups' worth.
+  # The plain and transposed tile tables keep two consumers.
   assert all(t.consumers == 2 for t in hopper.ROW_TILES + hopper.TRANSPOSED_TILES)
   with pytest.raises(ValueError, match="consumers must be 1 or 2"):
     hopper.HopperTiles(64, 64, consumers=3)
@@ -959,7 +959,7 @@ def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
         jax.jit(split).trace(sd(lhs, bf16), sd(rhs, bf16)).lower(lowering_platforms=("cuda",))
   for layout, lhs, rhs in ((Layout.NN, (5, 3000), (3000, 1000)), (Layout.NT, (1, 3000),
                                                                   (1000, 3000)),
-                           (Layout.NN, (64, 4096), (4096, 1024))):
+                           (Layout.NN, (48, 4096), (4096, 1024))):
     tiles = kernels.fit_stages(hopper.stream_tiles(lhs[0]), bf16, bf16)
     gemm = functools.partial(hopper.matmul, layout=layout, out_dtype=bf16, tiles=tiles)
     jax.jit(gemm).trace(sd(lhs, bf16), sd(rhs, bf16)).lower(lowering_platforms=("cuda",))
@@ -1057,7 +1057,7 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
   twice, and every tile with the chunks on programs of their own), jax-triton
   where it is installed, and, where the Mosaic GPU kernel serves the sizes, each
   of its candidate tiles (``matmul_plan.mosaic_tile_candidates``), for a chunked
-  contraction with the chunks split too (up to LADDER_ROWS rows its stream tiles:
+  contraction with the chunks split too (up to STREAM_ROWS rows its stream tiles:
   ``hopper_matmul.stream_tiles``); where the plan pads the operands to
   16-byte pitches (``matmul_plan.pitch_padded_plan``), the Mosaic GPU plans of the
   padded sizes, padded. ``device``: the plan's (default: the current one)."""
