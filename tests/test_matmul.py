@@ -1160,10 +1160,11 @@ def _plans_taken(rows_limit: int, cols: int, contraction: int, layout) -> dict:
 # those it takes for that weight: aligned, unaligned K and N, and 64 columns.
 EVERY_PLAN_KN = ((4096, 4096), (1000, 3000), (64, 192))
 # And the weights at which it compares the plans jdet.matmul takes: the mirrored
-# unaligned weight, a long contraction, a 64-misaligned result, few columns, and
-# rows of odd length (deep steps, chunks that end in a single deep step).
+# unaligned weight, a long contraction, a 64-misaligned result, few columns, rows
+# of odd length (deep steps, chunks that end in a single deep step), and a chunk
+# and a tail summed in each program of the stream tiles up to STREAM_ROWS rows.
 ENVELOPE_KN = EVERY_PLAN_KN + ((3000, 1000), (14336, 4096), (5120, 13824), (192, 320),
-                               (4096, 512), (3373, 727))
+                               (4096, 512), (3373, 727), (7232, 1856))
 
 
 def _gpu_every_kernel_agrees(k, n, dtype=jnp.bfloat16):
