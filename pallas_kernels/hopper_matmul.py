@@ -88,8 +88,8 @@ class HopperTiles:
   are the same wgmma chains with the operands' roles swapped, so the sums and
   their bits are those of the plain tiles.
 
-  ``consumers``: the consumer warpgroups, 2, or 1 for a tile of ``block_n``
-  columns (:func:`stream_tiles`)."""
+  ``consumers``: the consumer warpgroups, 2, or 1 in a transposed tile of
+  ``block_n`` columns, a stream tile (:attr:`streams`, :func:`stream_tiles`)."""
   block_m: int = 128
   block_n: int = 128
   num_stages: int = 4
@@ -103,8 +103,9 @@ class HopperTiles:
   consumers: int = 2
 
   def __post_init__(self):
-    if self.consumers not in (1, 2) or (self.split_rows and self.consumers != 2):
-      raise ValueError(f"consumers must be 1 or 2, and 2 with split_rows; got {self}")
+    if self.consumers not in (1, 2) or (self.consumers == 1 and not self.transposed):
+      raise ValueError(f"consumers must be 2, or 1 in a transposed tile (a stream tile); "
+                       f"got {self}")
     if self.split_rows and self.block_m != 128:
       raise ValueError(f"split_rows needs block_m = 128 (a wgmma takes 64 rows per "
                        f"warpgroup), got block_m = {self.block_m}")
@@ -120,6 +121,11 @@ class HopperTiles:
   def block_cols(self) -> int:
     """Columns of a program's output tile: its consumer warpgroups' parts."""
     return self.consumers * self.block_n
+
+  @property
+  def streams(self) -> bool:
+    """Whether this is a stream tile (:func:`stream_tiles`): one consumer warpgroup."""
+    return self.consumers == 1
 
   @property
   def accumulator_shape(self) -> tuple[int, int]:
@@ -195,8 +201,7 @@ class HopperTiles:
     tile as a slice of the result and the operands; a slice longer than its
     dimension gave wrong rows on the H100 (a 64-column result with a 128-column
     tile)."""
-    streams = self.transposed and self.consumers == 1
-    return (self.block_m <= rows or streams) and self.block_cols <= cols
+    return (self.block_m <= rows or self.streams) and self.block_cols <= cols
 
   def stage_bytes(self, dtype) -> int:
     return (self.block_m + self.block_cols) * BLOCK_K * jnp.dtype(dtype).itemsize

@@ -339,7 +339,7 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   sizes = pitch_padded_sizes(layout, rows, cols, contraction)
   padded = plan(layout, *sizes, dtype=dtype, out_dtype=out_dtype, device=device,
                 contraction_chunk=contraction_chunk or sizes[2], split_chunks=split_chunks)
-  if padded.kernel is not Kernel.MOSAIC_GPU or padded.tiles.consumers == 1:
+  if padded.kernel is not Kernel.MOSAIC_GPU or padded.tiles.streams:
     return None
   return dataclasses.replace(padded, pitch_padded=True)
 
@@ -505,8 +505,8 @@ def mosaic_stream_tiles(layout: Layout, rows: int, cols: int, contraction: int, 
   its stages fitted; or None where the Triton ladder runs it: a contraction
   shorter than STREAM_MIN_CONTRACTION, a result narrower than a tile, or more
   tiles than ``num_sms`` (one wave)."""
-  if (layout is Layout.TN or rows > STREAM_ROWS
-      or contraction < STREAM_MIN_CONTRACTION or not mosaic.transposed_takes(layout, out_dtype)):
+  if (rows > STREAM_ROWS or contraction < STREAM_MIN_CONTRACTION
+      or not mosaic.transposed_takes(layout, out_dtype)):
     return None
   tiles = mosaic.stream_tiles(rows)
   if not tiles.fits(rows, cols) or tiles.tile_count(rows, cols) > num_sms:

@@ -653,7 +653,7 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
     for layout in (Layout.NN, Layout.NT):
       streamed = tiles(rows, 4096, 14336, layout)
       assert (streamed.block_m, streamed.block_cols, streamed.consumers) == (block_m, 64, 1)
-      assert streamed.transposed and streamed.fits(rows, 4096)
+      assert streamed.transposed and streamed.streams and streamed.fits(rows, 4096)
       assert streamed == kernels.fit_stages(hopper.stream_tiles(rows), bf16, bf16)
   assert tiles(1, 4096, 14336).num_stages == hopper.STREAM_STAGES
   assert tiles(48, 4096, 14336).num_stages < hopper.STREAM_STAGES  # shared memory
@@ -672,11 +672,12 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
   assert _plan(Layout.NN, 16, 4096, 14336, device=matmul_plan.Device("gpu", "8.0", 108)
                ).kernel is Kernel.PALLAS_TRITON
   # The plain and transposed tile tables keep two consumers.
-  assert all(t.consumers == 2 for t in hopper.ROW_TILES + hopper.TRANSPOSED_TILES)
-  with pytest.raises(ValueError, match="consumers must be 1 or 2"):
-    hopper.HopperTiles(64, 64, consumers=3)
-  with pytest.raises(ValueError, match="consumers must be 1 or 2"):
-    hopper.HopperTiles(split_rows=True, consumers=1)
+  assert not any(t.streams or t.consumers != 2
+                 for t in hopper.ROW_TILES + hopper.TRANSPOSED_TILES)
+  assert not hopper.HopperTiles(8, 64, transposed=True).fits(1, 4096)  # two consumers
+  for bad in (dict(consumers=3), dict(consumers=1), dict(split_rows=True, consumers=1)):
+    with pytest.raises(ValueError, match="consumers must be 2, or 1 in a transposed tile"):
+      hopper.HopperTiles(**bad)
 
 
 def test_plan_triton_tile_rule():
@@ -991,7 +992,7 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
           assert matmul_plan.fixed_contraction_chunk(layout, *sizes[1:]) == chunk
           padded = _plan(layout, *sizes, dtype=dtype, contraction_chunk=chunk or sizes[2])
           pays = (groups == 1 and dtype == bf16 and padded.kernel is Kernel.MOSAIC_GPU
-                  and padded.tiles.consumers == 2
+                  and not padded.tiles.streams
                   and rows * cols * contraction >= matmul_plan.PITCH_PAD_MIN_MACS
                   and matmul_plan.operand_rows_miss_pitch(layout, rows, cols, contraction))
           assert chosen.pitch_padded == pays, (layout, groups, dtype, rows, cols, contraction)
@@ -1080,7 +1081,7 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
     plans += [dataclasses.replace(p, pitch_padded=True)
               for p in _every_plan(layout, *sizes, dtype, device=device)
               if p.kernel is Kernel.MOSAIC_GPU]
-  elif chosen.kernel is Kernel.MOSAIC_GPU and chosen.tiles.consumers == 1:
+  elif chosen.kernel is Kernel.MOSAIC_GPU and chosen.tiles.streams:
     plans.append(chosen)  # the stream tiles, the one Mosaic GPU tile of these rows
   elif chosen.kernel is Kernel.MOSAIC_GPU:
     lhs_aligned, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
@@ -1113,7 +1114,7 @@ def _sampled(plans):
   count is not in TRANSPOSED_SAMPLE_ROWS (the stream tiles, one consumer, all
   stay: the few rows they serve compile and run fast)."""
   return [p for p in plans if not getattr(p.tiles, "transposed", False)
-          or p.tiles.block_m in TRANSPOSED_SAMPLE_ROWS or p.tiles.consumers == 1]
+          or p.tiles.block_m in TRANSPOSED_SAMPLE_ROWS or p.tiles.streams]
 
 
 def test_envelope_plan_list_holds_every_plan_choice():
