@@ -631,7 +631,7 @@ def test_plan_keeps_the_ladder_where_it_streams_the_weight_once():
   assert kernel(80, 11776, 80512) is Kernel.MOSAIC_GPU   # an 80-row transposed Mosaic tile
   for k, n in ((4096, 4096), (14336, 4096), (13824, 5120), (4096, 6144), (768, 2048)):
     assert kernel(100, k, n) is Kernel.MOSAIC_GPU, (k, n)  # 64-row ladder tiles
-  assert kernel(64, 3072, 4096) is Kernel.PALLAS_TRITON  # LADDER_ROWS (a contraction the
+  assert kernel(64, 3072, 4096) is Kernel.PALLAS_TRITON  # LADDER_ROWS (rows the
   # stream tiles leave: test_plan_streams_few_rows_through_one_consumer_tiles)
   assert kernel(129, 4096, 128256) is kernel(65, 768, 2048) is Kernel.MOSAIC_GPU
   # dA into a wide activation gradient ([100, 28672] over 8192) keeps the ladder too.
@@ -659,8 +659,8 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
   assert tiles(48, 4096, 14336).num_stages < hopper.STREAM_STAGES  # shared memory
   assert tiles(49, 4096, 14336) is tiles(64, 4096, 14336) is None  # the ladder's rows
   assert tiles(65, 4096, 14336).consumers == 2
-  assert tiles(16, 4096, 4096).consumers == 1                          # STREAM_MIN_CONTRACTION
-  assert tiles(16, 4096, 4088) is None
+  assert tiles(16, 4096, 2560).consumers == 1                          # STREAM_MIN_CONTRACTION
+  assert tiles(16, 4096, 2552) is None
   assert tiles(16, 1536, 2048) is None                                 # the MoE expert
   assert tiles(16, 132 * 64, 28672).consumers == 1                     # one wave
   assert tiles(16, 132 * 64 + 8, 28672) is None
