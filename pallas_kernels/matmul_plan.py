@@ -186,11 +186,11 @@ PITCH_PAD_MIN_MACS = 1 << 28
 # memory) ran 0.89x and 0.98x at the draw's two GEMMs of 51-57 rows, and the
 # grid's Llama-3 8B and Qwen2.5-7B down projections at 64 rows 0.92x / 0.91x as
 # fast as the forty-eighth session's ladder rows there, so the ladder keeps them.
-# The same draw's 13 one-wave GEMMs over 2048-3840 indices (the ladder's then)
-# streamed 1.11-1.35x as fast over 2560 or more, but for 1.01x at 131 tiles,
-# and 1.02x / 1.04x over 2048 / 2304, where the expert lost: the bound is 2560.
+# The bound: a draw over 2048-4095 indices (fifty-sixth section) streamed all 12
+# one-wave GEMMs over 2072-2496 faster (1.06-1.65x), and the expert (2048 x 1536,
+# 24 tiles) at 16 stages 0.95-0.98x at 1-16 rows, 1.21x at 31.
 STREAM_ROWS = 48
-STREAM_MIN_CONTRACTION = 2560
+STREAM_MIN_CONTRACTION = 2048
 
 
 def fixed_contraction_chunk(layout: Layout, cols: int, contraction: int) -> int | None:
