@@ -179,16 +179,20 @@ PITCH_PAD_MIN_MACS = 1 << 28
 # forty-ninth section). On an H200 (fifty-fifth section), at 1-31 rows of six
 # weights of 32-80 such tiles over 4096-18,944 indices the tiles ran 1.11-1.27x as
 # fast as the ladder's pick, at 128 tiles (Llama-3 70B's down projection) 1.00-
-# 1.02x; over 2048 indices (the MoE expert, 24 tiles) 0.81-0.89x at 1-16 rows; at
-# 216-296 tiles (two or three waves) 0.87-0.95x at 1-16 rows. At the 29 GEMMs of
-# 1-43 rows of a draw made afterwards that the rule sends them, 1.12x (26
-# faster, 0.81-1.41x). The tiles of 56 and 64 rows (14 and 13 stages in shared
+# 1.02x; over 2048 indices (the MoE expert, 24 tiles) at 12 or 24 stages 0.81-0.89x
+# at 1-16 rows; at 216-296 tiles (two or three waves) 0.87-0.95x at 1-16 rows. At
+# the 29 GEMMs of 1-43 rows of a draw made afterwards that the rule sends them,
+# 1.12x (26 faster, 0.81-1.41x). The tiles of 56 and 64 rows (14 and 13 stages in shared
 # memory) ran 0.89x and 0.98x at the draw's two GEMMs of 51-57 rows, and the
 # grid's Llama-3 8B and Qwen2.5-7B down projections at 64 rows 0.92x / 0.91x as
 # fast as the forty-eighth session's ladder rows there, so the ladder keeps them.
-# The bound: a draw over 2048-4095 indices (fifty-sixth section) streamed all 12
-# one-wave GEMMs over 2072-2496 faster (1.06-1.65x), and the expert (2048 x 1536,
-# 24 tiles) at 16 stages 0.95-0.98x at 1-16 rows, 1.21x at 31.
+# STREAM_MIN_CONTRACTION was 4096 there, then 2560 (that draw's one-wave GEMMs
+# over 2048-3840 indices): at a draw over 2048-4095 made after that (fifty-sixth
+# section) the 31 it streamed ran 1.14x (30 faster), the 12 one-wave GEMMs it left
+# over 2072-2496 streamed faster too (1.06-1.65x), and the expert (2048 x 1536,
+# 24 tiles) at 16 stages 0.93-0.98x at 1-16 rows, 1.21x at 31: so 2048. The 18
+# GEMMs of a draw made after that which it streams over 2048-2496 indices ran
+# 1.15x (15 faster, 0.88-1.50x).
 STREAM_ROWS = 48
 STREAM_MIN_CONTRACTION = 2048
 
