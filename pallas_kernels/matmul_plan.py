@@ -182,8 +182,8 @@ PITCH_PAD_MIN_MACS = 1 << 28
 # 1.02x; over 2048 indices (the MoE expert, 24 tiles) at 12 or 24 stages 0.81-0.89x
 # at 1-16 rows; at 216-296 tiles (two or three waves) 0.87-0.95x at 1-16 rows. At
 # the 29 GEMMs of 1-43 rows of a draw made afterwards that the rule sends them,
-# 1.12x (26 faster, 0.81-1.41x). The tiles of 56 and 64 rows (14 and 13 stages in shared
-# memory) ran 0.89x and 0.98x at the draw's two GEMMs of 51-57 rows, and the
+# 1.12x (26 faster, 0.81-1.41x). The tiles of 56 and 64 rows (14 and 13 stages in
+# shared memory) ran 0.89x and 0.98x at the draw's two GEMMs of 51-57 rows, and the
 # grid's Llama-3 8B and Qwen2.5-7B down projections at 64 rows 0.92x / 0.91x as
 # fast as the forty-eighth session's ladder rows there, so the ladder keeps them.
 # STREAM_MIN_CONTRACTION was 4096 there, then 2560 (that draw's one-wave GEMMs

@@ -644,7 +644,7 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
   STREAM_MIN_CONTRACTION run on the Mosaic GPU kernel's stream tiles (one
   consumer warpgroup, 64 weight columns, the rows rounded up to 8 on wgmma's N
   side) where those fill at most one wave of 132 SMs; GEMMs of the H200 probes
-  (benchmarks/results/h100.md, fifty-fifth section)."""
+  (benchmarks/results/h100.md, fifty-fifth and fifty-sixth sections)."""
   def tiles(rows, cols, contraction, layout=Layout.NN, **options):
     chosen = _plan(layout, rows, cols, contraction, **options)
     return chosen.tiles if chosen.kernel is Kernel.MOSAIC_GPU else None
