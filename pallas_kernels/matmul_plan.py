@@ -175,24 +175,13 @@ PITCH_PAD_MIN_MACS = 1 << 28
 # STREAM_MIN_CONTRACTION runs on the Mosaic GPU kernel's stream tiles
 # (hopper_matmul.stream_tiles) where their programs fit in one wave
 # (mosaic_stream_tiles): TMA streams a weight faster than the Triton ladder's
-# 16-32-column programs, whose rate stays near 26-48 GB/s each (h100.md,
-# forty-ninth section). On an H200 (fifty-fifth section), at 1-31 rows of six
-# weights of 32-80 such tiles over 4096-18,944 indices the tiles ran 1.11-1.27x as
-# fast as the ladder's pick, at 128 tiles (Llama-3 70B's down projection) 1.00-
-# 1.02x; over 2048 indices (the MoE expert, 24 tiles) at 12 or 24 stages 0.81-0.89x
-# at 1-16 rows; at 216-296 tiles (two or three waves) 0.87-0.95x at 1-16 rows. At
-# the 29 GEMMs of 1-43 rows of a draw made afterwards that the rule sends them,
-# 1.12x (26 faster, 0.81-1.41x). The tiles of 56 and 64 rows (14 and 13 stages in
-# shared memory) ran 0.89x and 0.98x at the draw's two GEMMs of 51-57 rows, and the
-# grid's Llama-3 8B and Qwen2.5-7B down projections at 64 rows 0.92x / 0.91x as
-# fast as the forty-eighth session's ladder rows there, so the ladder keeps them.
-# STREAM_MIN_CONTRACTION was 4096 there, then 2560 (that draw's one-wave GEMMs
-# over 2048-3840 indices): at a draw over 2048-4095 made after that (fifty-sixth
-# section) the 31 it streamed ran 1.14x (30 faster), the 12 one-wave GEMMs it left
-# over 2072-2496 streamed faster too (1.06-1.65x), and the expert (2048 x 1536,
-# 24 tiles) at 16 stages 0.93-0.98x at 1-16 rows, 1.21x at 31: so 2048. The 18
-# GEMMs of a draw made after that which it streams over 2048-2496 indices ran
-# 1.15x (15 faster, 0.88-1.50x).
+# 16-32-column programs, whose rate stays near 26-48 GB/s each; over two or more
+# waves the ladder stays faster. On an H200, against the ladder's pick (h100.md,
+# fifty-fifth and fifty-sixth sections, draws made after each bound): 1.12x at 29
+# GEMMs over 4096+ indices, 1.15x at 18 over 2048-2496; the MoE expert (2048 x
+# 1536, 24 tiles) 0.93-0.98x at 1-16 rows, 1.21x at 31. Tiles of 49-64 rows fit
+# only 13-14 stages and lost over long contractions (0.89-0.98x), so the ladder
+# keeps those rows.
 STREAM_ROWS = 48
 STREAM_MIN_CONTRACTION = 2048
 
