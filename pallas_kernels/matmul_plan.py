@@ -179,11 +179,13 @@ PITCH_PAD_MIN_MACS = 1 << 28
 # waves the ladder stays faster. On an H200, against the ladder's pick (h100.md,
 # fifty-fifth and fifty-sixth sections, draws made after each bound): 1.12x at 29
 # GEMMs over 4096+ indices, 1.15x at 18 over 2048-2496; the MoE expert (2048 x
-# 1536, 24 tiles) 0.93-0.98x at 1-16 rows, 1.21x at 31. Tiles of 49-64 rows fit
-# only 13-14 stages and lost over long contractions (0.89-0.98x), so the ladder
-# keeps those rows.
+# 1536, 24 tiles) 0.93-0.98x at 1-16 rows, 1.21x at 31. Over 1536-2047 indices
+# all 23 one-wave GEMMs of two draws streamed faster; over 1024-1344 (16 stages of
+# 64 indices hold the whole contraction) 4 of 8 below 32 tiles lost. Tiles of
+# 49-64 rows fit only 13-14 stages and lost over long contractions (0.89-0.98x),
+# so the ladder keeps those rows.
 STREAM_ROWS = 48
-STREAM_MIN_CONTRACTION = 2048
+STREAM_MIN_CONTRACTION = 1536
 
 
 def fixed_contraction_chunk(layout: Layout, cols: int, contraction: int) -> int | None:

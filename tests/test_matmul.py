@@ -659,8 +659,9 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
   assert tiles(48, 4096, 14336).num_stages < hopper.STREAM_STAGES  # shared memory
   assert tiles(49, 4096, 14336) is tiles(64, 4096, 14336) is None  # the ladder's rows
   assert tiles(65, 4096, 14336).consumers == 2
-  assert tiles(16, 1536, 2048).consumers == 1             # STREAM_MIN_CONTRACTION, the MoE expert
-  assert tiles(16, 1536, 2040) is None
+  assert tiles(16, 1536, 2048).consumers == 1                         # the MoE expert
+  assert tiles(16, 2048, 1536).consumers == 1   # 1536 x 2048, STREAM_MIN_CONTRACTION
+  assert tiles(16, 2048, 1528) is None
   assert tiles(16, 132 * 64, 28672).consumers == 1                     # one wave
   assert tiles(16, 132 * 64 + 8, 28672) is None
   assert tiles(16, 14336, 4096) is None                                # 224 tiles
