@@ -178,14 +178,22 @@ PITCH_PAD_MIN_MACS = 1 << 28
 # 16-32-column programs, whose rate stays near 26-48 GB/s each; over two or more
 # waves the ladder stays faster. On an H200, against the ladder's pick (h100.md,
 # fifty-fifth and fifty-sixth sections, draws made after each bound): 1.12x at 29
-# GEMMs over 4096+ indices, 1.15x at 18 over 2048-2496; the MoE expert (2048 x
-# 1536, 24 tiles) 0.93-0.98x at 1-16 rows, 1.21x at 31. Over 1536-2047 indices
-# all 23 one-wave GEMMs of two draws streamed faster; over 1024-1344 (16 stages of
-# 64 indices hold the whole contraction) 4 of 8 below 32 tiles lost. Tiles of
-# 49-64 rows fit only 13-14 stages and lost over long contractions (0.89-0.98x),
-# so the ladder keeps those rows.
+# GEMMs over 4096+ indices, 1.15x at 18 over 2048-2496. Tiles of 49-64 rows fit
+# only 13-14 stages and lost over long contractions (0.89-0.98x), so the ladder
+# keeps those rows. Where the ladder's pick is its smallest tile
+# (SMALLEST_LADDER_TILE: at most 16 rows of a result its 16-column programs fill
+# in one wave), those programs outnumber the stream tiles four to one: there the
+# stream tiles run NN only, over at least SMALLEST_TILE_STREAM_MIN_CONTRACTION
+# indices. In three draws over 1024-2559 indices (fifty-seventh section, 117
+# one-wave GEMMs), where the ladder's pick was another tile the stream tiles ran
+# 1.22x as fast over 1024-1535 (42 GEMMs, none slower) and 1.24x over 1536+ (44);
+# where it was the smallest, 1.11x at 15 NN over 1536+ (0.998-1.28x), but NT lost
+# at all 10 (0.88-0.98x; each of those ladder programs reads whole 128-byte lines
+# of an NT weight) and NN under 1536 at 4 of 6 (0.92-0.97x).
 STREAM_ROWS = 48
-STREAM_MIN_CONTRACTION = 1536
+STREAM_MIN_CONTRACTION = 1024
+SMALLEST_LADDER_TILE = min((t.block_m, t.block_n) for t in pallas_triton.GPU_MATMUL_LADDER)
+SMALLEST_TILE_STREAM_MIN_CONTRACTION = 1536
 
 
 def fixed_contraction_chunk(layout: Layout, cols: int, contraction: int) -> int | None:
@@ -486,7 +494,8 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
     return None
   rows_are_tokens = layout is not Layout.TN  # the forward and dA
   if rows_are_tokens and rows <= mosaic.LADDER_ROWS:
-    return mosaic_stream_tiles(layout, rows, cols, contraction, dtype, out_dtype, num_sms)
+    return mosaic_stream_tiles(layout, rows, cols, contraction, dtype, out_dtype, num_sms,
+                               ladder)
   tiles = mosaic_pick(layout, rows, cols, contraction, out_dtype, num_sms, chunked=chunked)
   if not tiles or (rows_are_tokens and ladder_keeps(ladder, tiles, rows, cols, contraction,
                                                     num_sms)):
@@ -496,14 +505,19 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
 
 
 def mosaic_stream_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
-                        out_dtype, num_sms: int) -> mosaic.HopperTiles | None:
+                        out_dtype, num_sms: int, ladder: MatmulTiles
+                        ) -> mosaic.HopperTiles | None:
   """The stream tiles (``hopper_matmul.stream_tiles``) for a single forward or
   dA of a [rows, cols] result, at most ``STREAM_ROWS`` rows, over
   ``contraction`` that the Mosaic GPU kernel takes (:func:`_mosaic_takes`), with
-  its stages fitted; or None where the Triton ladder runs it: a contraction
-  shorter than STREAM_MIN_CONTRACTION, a result narrower than a tile, or more
-  tiles than ``num_sms`` (one wave)."""
-  if (rows > STREAM_ROWS or contraction < STREAM_MIN_CONTRACTION
+  its stages fitted; or None where the Triton ladder runs it (``ladder``, its
+  pick): a contraction shorter than STREAM_MIN_CONTRACTION, a result narrower
+  than a tile, more tiles than ``num_sms`` (one wave), or a pick that is the
+  ladder's smallest tile (SMALLEST_LADDER_TILE) in NT or over a contraction
+  shorter than SMALLEST_TILE_STREAM_MIN_CONTRACTION."""
+  smallest = (ladder.block_m, ladder.block_n) == SMALLEST_LADDER_TILE
+  least = SMALLEST_TILE_STREAM_MIN_CONTRACTION if smallest else STREAM_MIN_CONTRACTION
+  if (rows > STREAM_ROWS or contraction < least or smallest and layout is Layout.NT
       or not mosaic.transposed_takes(layout, out_dtype)):
     return None
   tiles = mosaic.stream_tiles(rows)

@@ -570,7 +570,8 @@ def test_plan_sends_mosaic_only_what_tma_takes():
   result's minor dimension a multiple of 8): the forward and dA above LADDER_ROWS
   rows (but where the plan keeps the ladder: matmul_plan.ladder_keeps), up to
   STREAM_ROWS over contractions of STREAM_MIN_CONTRACTION or more in one wave of
-  stream tiles (hopper_matmul.stream_tiles: 64 columns, any rows), a
+  stream tiles (hopper_matmul.stream_tiles: 64 columns, any rows; where the
+  ladder picks its 16 x 16 tile, NN over 1536 or more), a
   chunked contraction's split where its pick's units fill the SMs
   (matmul_plan.mosaic_split_tiles), dB whatever the token count. (Operands
   copied to those pitches: test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays.)"""
@@ -592,8 +593,10 @@ def test_plan_sends_mosaic_only_what_tma_takes():
                                               chunked=chosen.contraction_chunk is not None)
             takes = (cols % 8 == 0 and contraction % 8 == 0
                      and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
+            smallest = (ladder.block_m, ladder.block_n) == (16, 16)
             streams = (cols % 8 == 0 and contraction % 8 == 0 and 64 <= cols <= 132 * 64
-                       and contraction >= matmul_plan.STREAM_MIN_CONTRACTION)
+                       and contraction >= matmul_plan.STREAM_MIN_CONTRACTION
+                       and not (smallest and (layout is Layout.NT or contraction < 1536)))
             mosaic_fits = (takes and rows > hopper.LADDER_ROWS
                            or streams and rows <= matmul_plan.STREAM_ROWS)
             if chosen.split_chunks:
@@ -643,8 +646,10 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
   """Up to STREAM_ROWS rows the forward and dA over a contraction of at least
   STREAM_MIN_CONTRACTION run on the Mosaic GPU kernel's stream tiles (one
   consumer warpgroup, 64 weight columns, the rows rounded up to 8 on wgmma's N
-  side) where those fill at most one wave of 132 SMs; GEMMs of the H200 probes
-  (benchmarks/results/h100.md, fifty-fifth and fifty-sixth sections)."""
+  side) where those fill at most one wave of 132 SMs, but where the ladder picks
+  its smallest tile (16 x 16) only NN over SMALLEST_TILE_STREAM_MIN_CONTRACTION;
+  GEMMs of the H200 probes (benchmarks/results/h100.md, fifty-fifth to
+  fifty-seventh sections)."""
   def tiles(rows, cols, contraction, layout=Layout.NN, **options):
     chosen = _plan(layout, rows, cols, contraction, **options)
     return chosen.tiles if chosen.kernel is Kernel.MOSAIC_GPU else None
@@ -659,9 +664,16 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
   assert tiles(48, 4096, 14336).num_stages < hopper.STREAM_STAGES  # shared memory
   assert tiles(49, 4096, 14336) is tiles(64, 4096, 14336) is None  # the ladder's rows
   assert tiles(65, 4096, 14336).consumers == 2
+  assert tiles(16, 4096, 1024).consumers == 1                   # STREAM_MIN_CONTRACTION
+  assert tiles(16, 4096, 1016) is None
+  # The ladder's 16 x 16 tile: 16 rows of at most 132 sixteen-column programs.
+  assert matmul_plan.SMALLEST_LADDER_TILE == (16, 16)
   assert tiles(16, 1536, 2048).consumers == 1                         # the MoE expert
-  assert tiles(16, 2048, 1536).consumers == 1   # 1536 x 2048, STREAM_MIN_CONTRACTION
+  assert tiles(16, 2048, 1536).consumers == 1   # SMALLEST_TILE_STREAM_MIN_CONTRACTION
   assert tiles(16, 2048, 1528) is None
+  assert tiles(16, 2048, 1536, Layout.NT) is None                     # the expert's dA
+  assert tiles(17, 2048, 1536, Layout.NT).consumers == 1              # a 64 x 16 pick
+  assert tiles(16, 132 * 16 + 8, 1024, Layout.NT).consumers == 1      # a 16 x 32 pick
   assert tiles(16, 132 * 64, 28672).consumers == 1                     # one wave
   assert tiles(16, 132 * 64 + 8, 28672) is None
   assert tiles(16, 14336, 4096) is None                                # 224 tiles
