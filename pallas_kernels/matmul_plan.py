@@ -183,17 +183,18 @@ PITCH_PAD_MIN_MACS = 1 << 28
 # keeps those rows. Where the ladder's pick is its smallest tile
 # (SMALLEST_LADDER_TILE: at most 16 rows of a result its 16-column programs fill
 # in one wave), those programs outnumber the stream tiles four to one: there the
-# stream tiles run NN only, over at least SMALLEST_TILE_STREAM_MIN_CONTRACTION
-# indices. In three draws over 1024-2559 indices (fifty-seventh section, 117
+# stream tiles run over at least SMALLEST_TILE_STREAM_MIN_CONTRACTION indices,
+# longer in NT, where each of those ladder programs reads whole 128-byte lines of
+# the weight. In three draws over 1024-2559 indices (fifty-seventh section, 117
 # one-wave GEMMs), where the ladder's pick was another tile the stream tiles ran
 # 1.22x as fast over 1024-1535 (42 GEMMs, none slower) and 1.24x over 1536+ (44);
-# where it was the smallest, 1.11x at 15 NN over 1536+ (0.998-1.28x), but NT lost
-# at all 10 (0.88-0.98x; each of those ladder programs reads whole 128-byte lines
-# of an NT weight) and NN under 1536 at 4 of 6 (0.92-0.97x).
+# where it was the smallest, 1.11x at 15 NN over 1536+ (0.998-1.28x), but NN
+# under 1536 lost at 4 of 6 (0.92-0.97x) and NT at 10 of 10 over 1536-2496
+# (0.88-0.98x). Drawn after: NT over 2900-3176 indices 1.06-1.21x at 7 of 7.
 STREAM_ROWS = 48
 STREAM_MIN_CONTRACTION = 1024
 SMALLEST_LADDER_TILE = min((t.block_m, t.block_n) for t in pallas_triton.GPU_MATMUL_LADDER)
-SMALLEST_TILE_STREAM_MIN_CONTRACTION = 1536
+SMALLEST_TILE_STREAM_MIN_CONTRACTION = {Layout.NN: 1536, Layout.NT: 2560}
 
 
 def fixed_contraction_chunk(layout: Layout, cols: int, contraction: int) -> int | None:
@@ -511,13 +512,15 @@ def mosaic_stream_tiles(layout: Layout, rows: int, cols: int, contraction: int, 
   dA of a [rows, cols] result, at most ``STREAM_ROWS`` rows, over
   ``contraction`` that the Mosaic GPU kernel takes (:func:`_mosaic_takes`), with
   its stages fitted; or None where the Triton ladder runs it (``ladder``, its
-  pick): a contraction shorter than STREAM_MIN_CONTRACTION, a result narrower
-  than a tile, more tiles than ``num_sms`` (one wave), or a pick that is the
-  ladder's smallest tile (SMALLEST_LADDER_TILE) in NT or over a contraction
-  shorter than SMALLEST_TILE_STREAM_MIN_CONTRACTION."""
-  smallest = (ladder.block_m, ladder.block_n) == SMALLEST_LADDER_TILE
-  least = SMALLEST_TILE_STREAM_MIN_CONTRACTION if smallest else STREAM_MIN_CONTRACTION
-  if (rows > STREAM_ROWS or contraction < least or smallest and layout is Layout.NT
+  pick): a contraction shorter than STREAM_MIN_CONTRACTION (where the pick is the
+  ladder's smallest tile, SMALLEST_LADDER_TILE: than the layout's
+  SMALLEST_TILE_STREAM_MIN_CONTRACTION), a result narrower than a tile, or more
+  tiles than ``num_sms`` (one wave)."""
+  if (ladder.block_m, ladder.block_n) == SMALLEST_LADDER_TILE:
+    least = SMALLEST_TILE_STREAM_MIN_CONTRACTION[layout]
+  else:
+    least = STREAM_MIN_CONTRACTION
+  if (rows > STREAM_ROWS or contraction < least
       or not mosaic.transposed_takes(layout, out_dtype)):
     return None
   tiles = mosaic.stream_tiles(rows)
