@@ -182,15 +182,15 @@ PITCH_PAD_MIN_MACS = 1 << 28
 # only 13-14 stages and lost over long contractions (0.89-0.98x), so the ladder
 # keeps those rows. Where the ladder's pick is its smallest tile
 # (SMALLEST_LADDER_TILE: at most 16 rows of a result its 16-column programs fill
-# in one wave), those programs outnumber the stream tiles four to one: there the
-# stream tiles run over at least SMALLEST_TILE_STREAM_MIN_CONTRACTION indices,
-# longer in NT, where each of those ladder programs reads whole 128-byte lines of
-# the weight. In three draws over 1024-2559 indices (fifty-seventh section, 117
-# one-wave GEMMs), where the ladder's pick was another tile the stream tiles ran
-# 1.22x as fast over 1024-1535 (42 GEMMs, none slower) and 1.24x over 1536+ (44);
-# where it was the smallest, 1.11x at 15 NN over 1536+ (0.998-1.28x), but NN
-# under 1536 lost at 4 of 6 (0.92-0.97x) and NT at 10 of 10 over 1536-2496
-# (0.88-0.98x). Drawn after: NT over 2900-3176 indices 1.06-1.21x at 7 of 7.
+# in one wave), those programs outnumber the stream tiles four to one, and the
+# stream tiles run only over SMALLEST_TILE_STREAM_MIN_CONTRACTION indices or
+# more, longer in NT, where each such program reads whole 128-byte lines of the
+# weight. Over 1024-4095 indices at 1-48 rows (h100.md, fifty-seventh section:
+# four draws, 169 one-wave GEMMs, then 28 of the smallest pick drawn after the
+# bounds), against the ladder: other picks 1.22x (112, 2 slower); the smallest
+# pick NN over 1536+ 1.11x (22) and 1.14x after (9), NT over 2560+ 1.10x (7)
+# and 1.07x after (11, 3 slower), and below the bounds 0.97x (28, 23 slower)
+# and 0.99x after (8, 6 slower).
 STREAM_ROWS = 48
 STREAM_MIN_CONTRACTION = 1024
 SMALLEST_LADDER_TILE = min((t.block_m, t.block_n) for t in pallas_triton.GPU_MATMUL_LADDER)
