@@ -669,10 +669,10 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
   assert tiles(16, 4096, 1016) is None
   # The ladder's 16 x 16 tile: 16 rows of at most 132 sixteen-column programs.
   assert matmul_plan.SMALLEST_LADDER_TILE == (16, 16)
-  assert tiles(16, 1536, 2048).consumers == 1                         # the MoE expert
+  assert tiles(16, 1536, 2048).consumers == 1                # the MoE expert's gate_up
   assert tiles(16, 2048, 1536).consumers == 1   # SMALLEST_TILE_STREAM_MIN_CONTRACTION
   assert tiles(16, 2048, 1528) is None
-  assert tiles(16, 2048, 1536, Layout.NT) is None                     # the expert's dA
+  assert tiles(16, 2048, 1536, Layout.NT) is None             # the expert gate_up's dA
   assert tiles(16, 1024, 2560, Layout.NT).consumers == 1
   assert tiles(16, 1024, 2552, Layout.NT) is None
   assert tiles(17, 2048, 1536, Layout.NT).consumers == 1              # a 64 x 16 pick
