@@ -578,7 +578,7 @@ def test_plan_sends_mosaic_only_what_tma_takes():
   for layout in Layout:
     for rows in (1, 48, 49, 64, 65, 100, 128, 129, 192, 300, 777, 1000, 1001, 4096):
       for cols in (64, 128, 192, 320, 1000, 1004, 1024, 4096, 8448, 8456, 13824, 28672):
-        for contraction in (100, 777, 3000, 4096, 4100):
+        for contraction in (100, 777, 2048, 3000, 4096, 4100):
           chosen = _plan(layout, rows, cols, contraction)
           if chosen.pitch_padded:
             continue
