@@ -183,18 +183,23 @@ PITCH_PAD_MIN_MACS = 1 << 28
 # keeps those rows. Where the ladder's pick is its smallest tile
 # (SMALLEST_LADDER_TILE: at most 16 rows of a result its 16-column programs fill
 # in one wave), those programs outnumber the stream tiles four to one, and the
-# stream tiles run only over SMALLEST_TILE_STREAM_MIN_CONTRACTION indices or
-# more, longer in NT, where each such program reads whole 128-byte lines of the
-# weight. Over 1024-4095 indices at 1-48 rows (h100.md, fifty-seventh section:
-# four draws, 169 one-wave GEMMs, then 28 of the smallest pick drawn after the
-# bounds), against the ladder: other picks 1.22x (112, 2 slower); the smallest
-# pick NN over 1536+ 1.11x (22) and 1.14x after (9), NT over 2560+ 1.10x (7)
-# and 1.07x after (11, 3 slower), and below the bounds 0.97x (28, 23 slower)
-# and 0.99x after (8, 6 slower).
+# stream tiles run only over SMALLEST_TILE_STREAM_MIN_CONTRACTION indices or more,
+# longer in NT, where each such program reads whole 128-byte lines of the weight;
+# but in NT where those programs fill at most half the SMs (results of at most
+# 1,056 columns on 132 SMs), from HALF_WAVE_NT_STREAM_MIN_CONTRACTION. Over
+# 1024-4095 indices at 1-48 rows (h100.md, fifty-seventh section: four draws, 169
+# one-wave GEMMs, then 28 of the smallest pick drawn after the bounds), against
+# the ladder: other picks 1.22x (112, 2 slower); the smallest pick NN over 1536+
+# 1.11x (22) and 1.14x after (9), NT over 2560+ 1.10x (7) and 1.07x after (11, 3
+# slower), and below the bounds 0.97x (28, 23 slower) and 0.99x after (8, 6
+# slower). NT on half-wave grids (h100.md, fifty-seventh section, 5): over 1700+
+# 1.14x (11, 2 slower) and below 0.97x (13, 9 slower); drawn after the bound, over
+# 1664+ 1.15x (13, 4 slower, 0.95-1.00x) and below 0.96x (15, 11 slower).
 STREAM_ROWS = 48
 STREAM_MIN_CONTRACTION = 1024
 SMALLEST_LADDER_TILE = min((t.block_m, t.block_n) for t in pallas_triton.GPU_MATMUL_LADDER)
 SMALLEST_TILE_STREAM_MIN_CONTRACTION = {Layout.NN: 1536, Layout.NT: 2560}
+HALF_WAVE_NT_STREAM_MIN_CONTRACTION = 1664
 
 
 def fixed_contraction_chunk(layout: Layout, cols: int, contraction: int) -> int | None:
@@ -514,10 +519,13 @@ def mosaic_stream_tiles(layout: Layout, rows: int, cols: int, contraction: int, 
   its stages fitted; or None where the Triton ladder runs it (``ladder``, its
   pick): a contraction shorter than STREAM_MIN_CONTRACTION (where the pick is the
   ladder's smallest tile, SMALLEST_LADDER_TILE: than the layout's
-  SMALLEST_TILE_STREAM_MIN_CONTRACTION), a result narrower than a tile, or more
-  tiles than ``num_sms`` (one wave)."""
+  SMALLEST_TILE_STREAM_MIN_CONTRACTION, or in NT where the ladder's programs
+  fill at most half of ``num_sms``, than HALF_WAVE_NT_STREAM_MIN_CONTRACTION), a
+  result narrower than a tile, or more tiles than ``num_sms`` (one wave)."""
   if (ladder.block_m, ladder.block_n) == SMALLEST_LADDER_TILE:
     least = SMALLEST_TILE_STREAM_MIN_CONTRACTION[layout]
+    if layout is Layout.NT and 2 * ladder_programs(ladder, rows, cols) <= num_sms:
+      least = HALF_WAVE_NT_STREAM_MIN_CONTRACTION
   else:
     least = STREAM_MIN_CONTRACTION
   if (rows > STREAM_ROWS or contraction < least

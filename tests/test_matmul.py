@@ -571,7 +571,8 @@ def test_plan_sends_mosaic_only_what_tma_takes():
   rows (but where the plan keeps the ladder: matmul_plan.ladder_keeps), up to
   STREAM_ROWS over contractions of STREAM_MIN_CONTRACTION or more in one wave of
   stream tiles (hopper_matmul.stream_tiles: 64 columns, any rows; where the
-  ladder picks its 16 x 16 tile, over 1536 or more in NN, 2560 in NT), a
+  ladder picks its 16 x 16 tile, over 1536 or more in NN, 2560 in NT, 1664 in NT
+  where the ladder's programs fill at most half the SMs), a
   chunked contraction's split where its pick's units fill the SMs
   (matmul_plan.mosaic_split_tiles), dB whatever the token count. (Operands
   copied to those pitches: test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays.)"""
@@ -593,11 +594,13 @@ def test_plan_sends_mosaic_only_what_tma_takes():
                                               chunked=chosen.contraction_chunk is not None)
             takes = (cols % 8 == 0 and contraction % 8 == 0
                      and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
+            smallest_bound = ({Layout.NN: 1536, Layout.NT: 2560}[layout]
+                              if layout is Layout.NN or -(-rows // 16) * -(-cols // 16) > 66
+                              else 1664)
             smallest = (ladder.block_m, ladder.block_n) == (16, 16)
             streams = (cols % 8 == 0 and contraction % 8 == 0 and 64 <= cols <= 132 * 64
                        and contraction >= matmul_plan.STREAM_MIN_CONTRACTION
-                       and not (smallest and contraction < {Layout.NN: 1536,
-                                                            Layout.NT: 2560}[layout]))
+                       and not (smallest and contraction < smallest_bound))
             mosaic_fits = (takes and rows > hopper.LADDER_ROWS
                            or streams and rows <= matmul_plan.STREAM_ROWS)
             if chosen.split_chunks:
@@ -648,7 +651,8 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
   STREAM_MIN_CONTRACTION run on the Mosaic GPU kernel's stream tiles (one
   consumer warpgroup, 64 weight columns, the rows rounded up to 8 on wgmma's N
   side) where those fill at most one wave of 132 SMs, but where the ladder picks
-  its smallest tile (16 x 16) over SMALLEST_TILE_STREAM_MIN_CONTRACTION;
+  its smallest tile (16 x 16) over SMALLEST_TILE_STREAM_MIN_CONTRACTION (in NT
+  on at most half the SMs' programs, HALF_WAVE_NT_STREAM_MIN_CONTRACTION);
   GEMMs of the H200 probes (benchmarks/results/h100.md, fifty-fifth to
   fifty-seventh sections)."""
   def tiles(rows, cols, contraction, layout=Layout.NN, **options):
@@ -673,8 +677,14 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
   assert tiles(16, 2048, 1536).consumers == 1   # SMALLEST_TILE_STREAM_MIN_CONTRACTION
   assert tiles(16, 2048, 1528) is None
   assert tiles(16, 2048, 1536, Layout.NT) is None             # the expert gate_up's dA
-  assert tiles(16, 1024, 2560, Layout.NT).consumers == 1
-  assert tiles(16, 1024, 2552, Layout.NT) is None
+  assert tiles(16, 1536, 2560, Layout.NT).consumers == 1
+  assert tiles(16, 1536, 2552, Layout.NT) is None
+  # NT where the 16 x 16 programs fill at most half the SMs (66 of 132):
+  # HALF_WAVE_NT_STREAM_MIN_CONTRACTION.
+  assert tiles(16, 768, 2048, Layout.NT).consumers == 1        # the expert down's dA
+  assert tiles(16, 66 * 16, 1664, Layout.NT).consumers == 1
+  assert tiles(16, 66 * 16, 1656, Layout.NT) is None
+  assert tiles(16, 66 * 16 + 8, 1664, Layout.NT) is None       # 67 programs
   assert tiles(17, 2048, 1536, Layout.NT).consumers == 1              # a 64 x 16 pick
   assert tiles(16, 132 * 16 + 8, 1024, Layout.NT).consumers == 1      # a 16 x 32 pick
   assert tiles(16, 132 * 64, 28672).consumers == 1                     # one wave
