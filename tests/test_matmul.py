@@ -578,8 +578,8 @@ def test_plan_sends_mosaic_only_what_tma_takes():
   copied to those pitches: test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays.)"""
   for layout in Layout:
     for rows in (1, 48, 49, 64, 65, 100, 128, 129, 192, 300, 777, 1000, 1001, 4096):
-      for cols in (64, 128, 192, 320, 1000, 1004, 1024, 4096, 8448, 8456, 13824, 28672):
-        for contraction in (100, 777, 2048, 3000, 4096, 4100):
+      for cols in (64, 128, 192, 320, 1000, 1004, 1024, 1536, 4096, 8448, 8456, 13824, 28672):
+        for contraction in (100, 777, 1800, 2048, 3000, 4096, 4100):
           chosen = _plan(layout, rows, cols, contraction)
           if chosen.pitch_padded:
             continue
@@ -594,9 +594,8 @@ def test_plan_sends_mosaic_only_what_tma_takes():
                                               chunked=chosen.contraction_chunk is not None)
             takes = (cols % 8 == 0 and contraction % 8 == 0
                      and any(t.fits(rows, cols) for t in hopper.ROW_TILES))
-            smallest_bound = ({Layout.NN: 1536, Layout.NT: 2560}[layout]
-                              if layout is Layout.NN or -(-rows // 16) * -(-cols // 16) > 66
-                              else 1664)
+            smallest_bound = (1536 if layout is Layout.NN
+                              else 1664 if -(-rows // 16) * -(-cols // 16) <= 66 else 2560)
             smallest = (ladder.block_m, ladder.block_n) == (16, 16)
             streams = (cols % 8 == 0 and contraction % 8 == 0 and 64 <= cols <= 132 * 64
                        and contraction >= matmul_plan.STREAM_MIN_CONTRACTION
@@ -654,7 +653,7 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
   its smallest tile (16 x 16) over SMALLEST_TILE_STREAM_MIN_CONTRACTION (in NT
   on at most half the SMs' programs, HALF_WAVE_NT_STREAM_MIN_CONTRACTION);
   GEMMs of the H200 probes (benchmarks/results/h100.md, fifty-fifth to
-  fifty-seventh sections)."""
+  fifty-eighth sections)."""
   def tiles(rows, cols, contraction, layout=Layout.NN, **options):
     chosen = _plan(layout, rows, cols, contraction, **options)
     return chosen.tiles if chosen.kernel is Kernel.MOSAIC_GPU else None
