@@ -193,9 +193,8 @@ PITCH_PAD_MIN_MACS = 1 << 28
 # 1.11x (22) and 1.14x after (9), NT over 2560+ 1.10x (7) and 1.07x after (11, 3
 # slower), and below the bounds 0.97x (28, 23 slower) and 0.99x after (8, 6
 # slower). NT on half-wave grids (h100.md, fifty-seventh section, 5, and
-# fifty-eighth): over 1700+ 1.14x (11, 2 slower) and below 0.97x (13, 9 slower);
-# at two draws after the bound, over 1664+ 1.15x (13, 4 slower) and 1.07x (23, 11
-# slower, 0.95-1.00x), below it 0.96x (15, 11 slower) and 0.99x (17, 7 slower).
+# fifty-eighth: three draws, 88 GEMMs, two made after the bound): from 1664
+# indices 1.10x (48, 18 slower, none below 0.91x), below 0.975x (44, 26 slower).
 STREAM_ROWS = 48
 STREAM_MIN_CONTRACTION = 1024
 SMALLEST_LADDER_TILE = min((t.block_m, t.block_n) for t in pallas_triton.GPU_MATMUL_LADDER)
