@@ -154,8 +154,14 @@ LADDER_MIN_CONTRACTION = 1536
 # 16-byte multiples, 0.85x (the rule leaves them). Timed against the resident stages
 # (fifty-second section): 1.36x at 26 single-wave GEMMs of 1-64 rows, 0.89x at 14 of
 # more waves (GPT-2's 50,257-column head among them), and 1.03x / 1.08x at 15 / 27 of
-# more waves drawn afterwards for 64-deep steps there.
+# more waves drawn afterwards for 64-deep steps there. Those tiles also run at least
+# SYNC_LOAD_MIN_WARPS warps: each thread issues its share of the 2-byte loads, and the
+# ladder's 16 x 16 tile has 2 warps. On an H200 (fifty-ninth section), at two draws of
+# such single-wave GEMMs of 1-15 rows, 4 warps ran 1.03-1.38x as fast as 2 (16 GEMMs) and
+# 1.01-1.33x at those drawn afterwards (21); over rows of whole words, 0.87-1.01x (12), so
+# the tile keeps 2 warps there.
 WORD_BYTES = 4
+SYNC_LOAD_MIN_WARPS = 4
 # A single 16-bit GEMM whose lhs or rhs rows miss 16 bytes (no TMA, so no Mosaic
 # GPU kernel) copies its operands zero-padded to 16-byte pitches (the result
 # sliced back) where the plan of the padded sizes is the Mosaic GPU kernel's and
@@ -420,9 +426,10 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   shared memory together, where at least ``RESIDENT_MIN_STAGES`` remain;
   stages are fitted to shared memory. In a single wave, tiles of at most
   GPU_ONE_ROW_OF_TILES rows over operand rows that are not whole words
-  (:func:`rows_miss_words`) take ``DEEP_STEP_K``-deep steps; otherwise the
-  smallest stages (``DEEP_STEP_STAGE_BYTES``) over a long ``contraction`` take
-  deeper steps (the Pallas Triton kernel's ``step_k``):
+  (:func:`rows_miss_words`) take ``DEEP_STEP_K``-deep steps and at least
+  ``SYNC_LOAD_MIN_WARPS`` warps; otherwise the smallest stages
+  (``DEEP_STEP_STAGE_BYTES``) over a long ``contraction`` take deeper steps (the
+  Pallas Triton kernel's ``step_k``):
   ``DEEP_STEP_K`` where their stages hold it whole (NN: with
   ``DEEP_STEP_SPARE_STAGES`` to spare), else ``STREAMED_STEP_K`` where every
   row of the operands and the result is a multiple of 16 bytes
@@ -462,6 +469,7 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
     return pallas_triton.fit_stages(tiles, dtype, out_dtype)
   if (contraction is not None and tiles.block_m <= pallas_triton.GPU_ONE_ROW_OF_TILES
       and rows_miss_words(layout, rows, cols, contraction, dtype)):
+    tiles = dataclasses.replace(tiles, num_warps=max(tiles.num_warps, SYNC_LOAD_MIN_WARPS))
     return stepped(pallas_triton.DEEP_STEP_K)
   tiles = pallas_triton.fit_stages(tiles, dtype, out_dtype)
   if (program_contraction is None or program_contraction < pallas_triton.DEEP_STEP_MIN_CONTRACTION

@@ -266,8 +266,9 @@ def _in_row_strips(plan):
 
 def test_plan_interpret_and_backend_choices():
   """Interpret mode: one tile for every GEMM; backend="triton": jax-triton with the
-  tiles Pallas Triton would use, in BLOCK_K steps (it plans without the
-  contraction); float32 and grouped GEMMs: Pallas Triton."""
+  tiles Pallas Triton would use, in BLOCK_K steps and at the ladder tile's warps
+  (it plans without the contraction, so without the deep steps and warps of rows of
+  odd length); float32 and grouped GEMMs: Pallas Triton."""
   for layout in Layout:
     for rows, cols, contraction in ((1, 1, 1), (300, 4096, 3000), (16411, 32000, 4096)):
       assert _plan(layout, rows, cols, contraction, interpret=True) == matmul_plan.Plan(
@@ -278,7 +279,8 @@ def test_plan_interpret_and_backend_choices():
       on_a100 = _plan(layout, rows, cols, contraction, device=matmul_plan.Device("gpu", "8.0"))
       jax_triton = _plan(layout, rows, cols, contraction, backend="triton")
       assert on_a100.kernel is Kernel.PALLAS_TRITON and jax_triton.kernel is Kernel.JAX_TRITON
-      assert jax_triton.tiles == dataclasses.replace(on_a100.tiles, step_k=kernels.BLOCK_K)
+      assert jax_triton.tiles == dataclasses.replace(
+          on_a100.tiles, step_k=kernels.BLOCK_K, num_warps=_ladder_tile(on_a100.tiles).num_warps)
   with pytest.raises(ValueError, match="backend must be one of"):
     _plan(Layout.NN, 1, 1, 1, backend="cublas")
 
@@ -706,11 +708,12 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
 
 def test_plan_triton_tile_rule():
   """Every 16-bit Triton choice is a ladder tile at one of its stage counts (or
-  its deep steps' where rows are of odd length, as n = 1's are), float32 the
-  same tile with fewer stages if needed to fit shared memory (its rows are
-  whole words: no deep steps; past one wave it may keep its own stages where
-  too few would let its programs share the SMs), up to 64 rows one row of tiles; dB's tile is the
-  forward's pick for its [K, N] result, at the ladder tile's own stages."""
+  its deep steps' and warps where rows are of odd length, as n = 1's are),
+  float32 the same tile with fewer stages if needed to fit shared memory (its
+  rows are whole words: no deep steps, the tile's own warps; past one wave it
+  may keep its own stages where too few would let its programs share the SMs),
+  up to 64 rows one row of tiles; dB's tile is the forward's pick for its
+  [K, N] result, at the ladder tile's own stages."""
   launch_params = lambda t: (t.block_m, t.block_n, t.num_warps, t.num_stages)
   configs = {launch_params(kernels.fit_stages(config, bf16, bf16))
              for config in _gpu_ladder_configs(words_missed=True)}
@@ -720,7 +723,9 @@ def test_plan_triton_tile_rule():
       half = _plan(Layout.NN, m, n, 64, groups=2).tiles
       single = _plan(Layout.NN, m, n, 64, f32, groups=2).tiles
       assert launch_params(half) in configs, (m, n, half)
-      assert launch_params(single)[:3] == launch_params(half)[:3]
+      assert launch_params(single)[:2] == launch_params(half)[:2]
+      assert single.num_warps == half.num_warps or (
+          half.step_k == kernels.DEEP_STEP_K and half.num_warps == matmul_plan.SYNC_LOAD_MIN_WARPS)
       own_stages = lambda dtype: kernels.fit_stages(_ladder_tile(half), dtype, dtype).num_stages
       # bf16 at resident stages, float32 at its own: too few of its stages share an SM.
       assert (single.num_stages <= half.num_stages or single.step_k < half.step_k
@@ -800,6 +805,16 @@ def test_plan_triton_ladder_picks():
   assert depth(1, 4258, 1536) == depth(16, 2050, 4100) == 64
   assert matmul_plan.triton_tiles(Layout.NN, 2048, 1205, bf16, bf16, contraction=8320).step_k == 64
   assert _plan(Layout.NN, 7, 727, 3456, jnp.float32).tiles.step_k == 64
+  # Those deep steps run at least 4 warps: the 16 x 16 tile's 2 warps issued the
+  # synchronous 2-byte loads more slowly (on an H200 1.01-1.38x faster at 37 GEMMs);
+  # over rows of whole words it keeps its 2 warps.
+  warps = lambda rows, cols, contraction, groups=1, layout=Layout.NN: matmul_plan.triton_tiles(
+      layout, rows, cols, bf16, bf16, groups, contraction=contraction).num_warps
+  assert warps(1, 158, 2007) == warps(2, 1362, 1563, layout=Layout.NT) == 4
+  assert warps(16, 1536, 2048) == warps(2, 1360, 1672, layout=Layout.NT) == 2  # whole words
+  assert warps(64, 4097, 300) == warps(7, 3456, 727) == 4  # the tile's own 4 warps
+  small = _plan(Layout.NN, 1, 158, 2007).tiles
+  assert (small.block_m, small.block_n, small.num_warps, small.step_k) == (16, 16, 4, 256)
   split = _plan(Layout.NN, 7, 727, 3457)
   assert split.split_chunks and split.tiles.step_k == 256
   # Waves are the device's: 128 programs of 16 x 32 are two waves on 108 SMs.
@@ -991,10 +1006,9 @@ def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
 
 
 def _ladder_tile(tiles):
-  """The GPU_MATMUL_LADDER entry of ``tiles``' block shape and warps."""
+  """The GPU_MATMUL_LADDER entry of ``tiles``' block shape."""
   return next(t for t in kernels.GPU_MATMUL_LADDER
-              if (t.block_m, t.block_n, t.num_warps) == (tiles.block_m, tiles.block_n,
-                                                         tiles.num_warps))
+              if (t.block_m, t.block_n) == (tiles.block_m, tiles.block_n))
 
 
 def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
@@ -1056,7 +1070,8 @@ def _gpu_ladder_configs(words_missed: bool = False):
   and those whose stages are small enough with DEEP_STEP_K- and
   STREAMED_STEP_K-deep steps too; with ``words_missed`` (operand rows that are
   not whole words: ``matmul_plan.rows_miss_words``) every tile of at most
-  GPU_ONE_ROW_OF_TILES rows with DEEP_STEP_K-deep steps too; and every tile at
+  GPU_ONE_ROW_OF_TILES rows with DEEP_STEP_K-deep steps and at least
+  SYNC_LOAD_MIN_WARPS warps too; and every tile at
   the stages at which 2-32 of its programs share an SM (``triton_tiles``' resident
   stages, at least RESIDENT_MIN_STAGES)."""
   configs = [config for tiles in kernels.GPU_MATMUL_LADDER
@@ -1066,9 +1081,9 @@ def _gpu_ladder_configs(words_missed: bool = False):
           for step_k in (kernels.DEEP_STEP_K, kernels.STREAMED_STEP_K)
           if config.stage_bytes(bf16) <= kernels.DEEP_STEP_STAGE_BYTES]
   if words_missed:
-    deep += [dataclasses.replace(config, step_k=kernels.DEEP_STEP_K) for config in configs
-             if config.block_m <= kernels.GPU_ONE_ROW_OF_TILES
-             and config.stage_bytes(bf16) > kernels.DEEP_STEP_STAGE_BYTES]
+    deep += [dataclasses.replace(config, step_k=kernels.DEEP_STEP_K, num_warps=max(
+                 config.num_warps, matmul_plan.SYNC_LOAD_MIN_WARPS)) for config in configs
+             if config.block_m <= kernels.GPU_ONE_ROW_OF_TILES]
   resident = (kernels.fit_stages(tiles, bf16, bf16, programs_per_sm)
               for tiles in kernels.GPU_MATMUL_LADDER for programs_per_sm in range(2, 33))
   return list(dict.fromkeys(configs + deep + [
@@ -1264,27 +1279,31 @@ def test_gpu_deep_steps_give_the_64_deep_bits():
   """128- and 256-deep steps (``MatmulTiles.step_k``) give the 64-deep steps'
   bits, in each tile's program and with the chunks split, over contractions
   and chunks that end in a single deep step (run as 64-deep steps:
-  ``MIN_DEEP_STEPS``), in two, or in single and partial steps; NN and NT."""
+  ``MIN_DEEP_STEPS``), in two, or in single and partial steps, on the 16 x 16
+  tile at its 2 warps and at the SYNC_LOAD_MIN_WARPS of rows of odd length
+  (2467 indices here) and on 64 x 16; NN and NT, every plan against one."""
   rng = np.random.default_rng(10)
   for rows, contraction, cols, chunk in ((8, 2944, 1328, 2816), (56, 3072, 1328, 2816),
                                          (8, 2467, 1328, 1024), (56, 448, 96, None)):
     lhs = random_normal(rng, (1, rows, contraction), jnp.bfloat16)
     rhs = random_normal(rng, (1, contraction, cols), jnp.bfloat16)
     for layout, operand in ((Layout.NN, rhs), (Layout.NT, jnp.swapaxes(rhs, 1, 2))):
-      for tiles, split in itertools.product(
-          (kernels.MatmulTiles(16, 16, 2, 10), kernels.MatmulTiles(64, 16, 4, 10)),
-          (False, True) if chunk else (False,)):
-        out_dtype = jnp.float32 if split else jnp.bfloat16
-        plans = [matmul_plan.Plan(Kernel.PALLAS_TRITON, kernels.fit_stages(
-                     dataclasses.replace(tiles, step_k=step_k), jnp.bfloat16, out_dtype),
-                                  contraction_chunk=chunk, split_chunks=split)
-                 for step_k in (kernels.BLOCK_K, kernels.STREAMED_STEP_K, kernels.DEEP_STEP_K)]
-        run = lambda p: matmul_plan.launch(p, lhs, operand, layout=layout,
-                                           out_dtype=jnp.bfloat16)
-        reference = run(plans[0])
-        for p in plans[1:]:
-          assert_bitwise_equal(run(p), reference, what=f"{layout.name} {rows} x {contraction} "
-                               f"x {cols} in chunks of {chunk}, {p.tiles} vs 64-deep steps")
+      plans = [matmul_plan.Plan(Kernel.PALLAS_TRITON, kernels.fit_stages(
+                   dataclasses.replace(tiles, step_k=step_k), jnp.bfloat16,
+                   jnp.float32 if split else jnp.bfloat16),
+                                contraction_chunk=chunk, split_chunks=split)
+               for tiles, split, step_k in itertools.product(
+                   (kernels.MatmulTiles(16, 16, 2, 10),
+                    kernels.MatmulTiles(16, 16, matmul_plan.SYNC_LOAD_MIN_WARPS, 10),
+                    kernels.MatmulTiles(64, 16, 4, 10)),
+                   (False, True) if chunk else (False,),
+                   (kernels.BLOCK_K, kernels.STREAMED_STEP_K, kernels.DEEP_STEP_K))]
+      run = lambda p: matmul_plan.launch(p, lhs, operand, layout=layout,
+                                         out_dtype=jnp.bfloat16)
+      reference = run(plans[0])
+      for p in plans[1:]:
+        assert_bitwise_equal(run(p), reference, what=f"{layout.name} {rows} x {contraction} "
+                             f"x {cols} in chunks of {chunk}, {p} vs {plans[0]}")
 
 
 @pytest.mark.gpu
