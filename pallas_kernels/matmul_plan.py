@@ -159,9 +159,16 @@ LADDER_MIN_CONTRACTION = 1536
 # ladder's 16 x 16 tile has 2 warps. On an H200 (fifty-ninth section), at two draws of
 # such single-wave GEMMs of 1-15 rows, 4 warps ran 1.03-1.38x as fast as 2 (16 GEMMs) and
 # 1.01-1.33x at those drawn afterwards (21); over rows of whole words, 0.87-1.01x (12), so
-# the tile keeps 2 warps there.
+# the tile keeps 2 warps there. Tiles at least SYNC_LOAD_WIDE_ASPECT times as wide as tall
+# (the ladder's 16 x 64 and 16 x 128) run
+# SYNC_LOAD_WIDE_WARPS: on an H200 (fifty-ninth and sixtieth sections), 8 warps against 4
+# ran 1.20x / 1.17x as fast at 17 / 13 such GEMMs of 1-16 rows and 1.17x at 30 drawn
+# afterwards; 16 warps 0.89-0.98x (40). 16 x 32 lost at 8 (0.96x at 16) and 64 x 16 gained
+# little (1.03x at 19), so they keep 4.
 WORD_BYTES = 4
 SYNC_LOAD_MIN_WARPS = 4
+SYNC_LOAD_WIDE_ASPECT = 4
+SYNC_LOAD_WIDE_WARPS = 8
 # A single 16-bit GEMM whose lhs or rhs rows miss 16 bytes (no TMA, so no Mosaic
 # GPU kernel) copies its operands zero-padded to 16-byte pitches (the result
 # sliced back) where the plan of the padded sizes is the Mosaic GPU kernel's and
@@ -427,7 +434,8 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   stages are fitted to shared memory. In a single wave, tiles of at most
   GPU_ONE_ROW_OF_TILES rows over operand rows that are not whole words
   (:func:`rows_miss_words`) take ``DEEP_STEP_K``-deep steps and at least
-  ``SYNC_LOAD_MIN_WARPS`` warps; otherwise the smallest stages
+  ``SYNC_LOAD_MIN_WARPS`` warps (``SYNC_LOAD_WIDE_WARPS`` on tiles at least
+  ``SYNC_LOAD_WIDE_ASPECT`` times as wide as tall); otherwise the smallest stages
   (``DEEP_STEP_STAGE_BYTES``) over a long ``contraction`` take deeper steps (the
   Pallas Triton kernel's ``step_k``):
   ``DEEP_STEP_K`` where their stages hold it whole (NN: with
@@ -469,7 +477,9 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
     return pallas_triton.fit_stages(tiles, dtype, out_dtype)
   if (contraction is not None and tiles.block_m <= pallas_triton.GPU_ONE_ROW_OF_TILES
       and rows_miss_words(layout, rows, cols, contraction, dtype)):
-    tiles = dataclasses.replace(tiles, num_warps=max(tiles.num_warps, SYNC_LOAD_MIN_WARPS))
+    wide = tiles.block_n >= SYNC_LOAD_WIDE_ASPECT * tiles.block_m
+    warps = SYNC_LOAD_WIDE_WARPS if wide else SYNC_LOAD_MIN_WARPS
+    tiles = dataclasses.replace(tiles, num_warps=max(tiles.num_warps, warps))
     return stepped(pallas_triton.DEEP_STEP_K)
   tiles = pallas_triton.fit_stages(tiles, dtype, out_dtype)
   if (program_contraction is None or program_contraction < pallas_triton.DEEP_STEP_MIN_CONTRACTION

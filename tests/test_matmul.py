@@ -725,7 +725,8 @@ def test_plan_triton_tile_rule():
       assert launch_params(half) in configs, (m, n, half)
       assert launch_params(single)[:2] == launch_params(half)[:2]
       assert single.num_warps == half.num_warps or (
-          half.step_k == kernels.DEEP_STEP_K and half.num_warps == matmul_plan.SYNC_LOAD_MIN_WARPS)
+          half.step_k == kernels.DEEP_STEP_K and half.num_warps in (
+              matmul_plan.SYNC_LOAD_MIN_WARPS, matmul_plan.SYNC_LOAD_WIDE_WARPS))
       own_stages = lambda dtype: kernels.fit_stages(_ladder_tile(half), dtype, dtype).num_stages
       # bf16 at resident stages, float32 at its own: too few of its stages share an SM.
       assert (single.num_stages <= half.num_stages or single.step_k < half.step_k
@@ -813,6 +814,12 @@ def test_plan_triton_ladder_picks():
   assert warps(1, 158, 2007) == warps(2, 1362, 1563, layout=Layout.NT) == 4
   assert warps(16, 1536, 2048) == warps(2, 1360, 1672, layout=Layout.NT) == 2  # whole words
   assert warps(64, 4097, 300) == warps(7, 3456, 727) == 4  # the tile's own 4 warps
+  # 16 x 64 and 16 x 128 (four and eight times as wide as tall) run 8 warps there (on an
+  # H200 1.17-1.20x faster at 30 GEMMs); 16 x 32 and 64 x 16 keep 4, rows of whole words
+  # and grids of more waves the tile's own.
+  assert warps(16, 5120, 2047) == warps(3, 10240, 2047) == warps(16, 5119, 2048) == 8
+  assert warps(16, 4096, 2047) == warps(31, 2050, 2047) == 4
+  assert warps(16, 5120, 2048) == warps(16, 10240, 2048) == warps(16, 57343, 2048) == 4
   small = _plan(Layout.NN, 1, 158, 2007).tiles
   assert (small.block_m, small.block_n, small.num_warps, small.step_k) == (16, 16, 4, 256)
   split = _plan(Layout.NN, 7, 727, 3457)
@@ -1071,7 +1078,8 @@ def _gpu_ladder_configs(words_missed: bool = False):
   STREAMED_STEP_K-deep steps too; with ``words_missed`` (operand rows that are
   not whole words: ``matmul_plan.rows_miss_words``) every tile of at most
   GPU_ONE_ROW_OF_TILES rows with DEEP_STEP_K-deep steps and at least
-  SYNC_LOAD_MIN_WARPS warps too; and every tile at
+  SYNC_LOAD_MIN_WARPS warps (SYNC_LOAD_WIDE_WARPS on tiles at least
+  SYNC_LOAD_WIDE_ASPECT times as wide as tall) too; and every tile at
   the stages at which 2-32 of its programs share an SM (``triton_tiles``' resident
   stages, at least RESIDENT_MIN_STAGES)."""
   configs = [config for tiles in kernels.GPU_MATMUL_LADDER
@@ -1081,8 +1089,12 @@ def _gpu_ladder_configs(words_missed: bool = False):
           for step_k in (kernels.DEEP_STEP_K, kernels.STREAMED_STEP_K)
           if config.stage_bytes(bf16) <= kernels.DEEP_STEP_STAGE_BYTES]
   if words_missed:
+    sync_warps = lambda config: (
+        matmul_plan.SYNC_LOAD_WIDE_WARPS
+        if config.block_n >= matmul_plan.SYNC_LOAD_WIDE_ASPECT * config.block_m
+        else matmul_plan.SYNC_LOAD_MIN_WARPS)
     deep += [dataclasses.replace(config, step_k=kernels.DEEP_STEP_K, num_warps=max(
-                 config.num_warps, matmul_plan.SYNC_LOAD_MIN_WARPS)) for config in configs
+                 config.num_warps, sync_warps(config))) for config in configs
              if config.block_m <= kernels.GPU_ONE_ROW_OF_TILES]
   resident = (kernels.fit_stages(tiles, bf16, bf16, programs_per_sm)
               for tiles in kernels.GPU_MATMUL_LADDER for programs_per_sm in range(2, 33))
@@ -1281,7 +1293,8 @@ def test_gpu_deep_steps_give_the_64_deep_bits():
   and chunks that end in a single deep step (run as 64-deep steps:
   ``MIN_DEEP_STEPS``), in two, or in single and partial steps, on the 16 x 16
   tile at its 2 warps and at the SYNC_LOAD_MIN_WARPS of rows of odd length
-  (2467 indices here) and on 64 x 16; NN and NT, every plan against one."""
+  (2467 indices here), on 16 x 64 at their SYNC_LOAD_WIDE_WARPS and on 64 x 16;
+  NN and NT, every plan against one."""
   rng = np.random.default_rng(10)
   for rows, contraction, cols, chunk in ((8, 2944, 1328, 2816), (56, 3072, 1328, 2816),
                                          (8, 2467, 1328, 1024), (56, 448, 96, None)):
@@ -1295,6 +1308,7 @@ def test_gpu_deep_steps_give_the_64_deep_bits():
                for tiles, split, step_k in itertools.product(
                    (kernels.MatmulTiles(16, 16, 2, 10),
                     kernels.MatmulTiles(16, 16, matmul_plan.SYNC_LOAD_MIN_WARPS, 10),
+                    kernels.MatmulTiles(16, 64, matmul_plan.SYNC_LOAD_WIDE_WARPS, 10),
                     kernels.MatmulTiles(64, 16, 4, 10)),
                    (False, True) if chunk else (False,),
                    (kernels.BLOCK_K, kernels.STREAMED_STEP_K, kernels.DEEP_STEP_K))]
