@@ -160,11 +160,11 @@ LADDER_MIN_CONTRACTION = 1536
 # such single-wave GEMMs of 1-15 rows, 4 warps ran 1.03-1.38x as fast as 2 (16 GEMMs) and
 # 1.01-1.33x at those drawn afterwards (21); over rows of whole words, 0.87-1.01x (12), so
 # the tile keeps 2 warps there. Tiles at least SYNC_LOAD_WIDE_ASPECT times as wide as tall
-# (the ladder's 16 x 64 and 16 x 128) run
-# SYNC_LOAD_WIDE_WARPS: on an H200 (fifty-ninth and sixtieth sections), 8 warps against 4
-# ran 1.20x / 1.17x as fast at 17 / 13 such GEMMs of 1-16 rows and 1.17x at 30 drawn
-# afterwards; 16 warps 0.89-0.98x (40). 16 x 32 lost at 8 (0.96x at 16) and 64 x 16 gained
-# little (1.03x at 19), so they keep 4.
+# (the ladder's 16 x 64 and 16 x 128) run SYNC_LOAD_WIDE_WARPS: on an H200 (fifty-ninth and
+# sixtieth sections), 8 warps against 4 ran 1.20x / 1.17x as fast at 17 / 13 such GEMMs of
+# 1-16 rows and 1.17x at 30 drawn afterwards; 16 warps against 8, 0.98x / 0.89x at two
+# draws of 20. 16 x 32 lost at 8 (0.96x at 16) and 64 x 16 gained little (1.03x at 19), so
+# they keep 4.
 WORD_BYTES = 4
 SYNC_LOAD_MIN_WARPS = 4
 SYNC_LOAD_WIDE_ASPECT = 4

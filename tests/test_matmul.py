@@ -815,8 +815,8 @@ def test_plan_triton_ladder_picks():
   assert warps(16, 1536, 2048) == warps(2, 1360, 1672, layout=Layout.NT) == 2  # whole words
   assert warps(64, 4097, 300) == warps(7, 3456, 727) == 4  # the tile's own 4 warps
   # 16 x 64 and 16 x 128 (four and eight times as wide as tall) run 8 warps there (on an
-  # H200 1.17-1.20x faster at 30 GEMMs); 16 x 32 and 64 x 16 keep 4, rows of whole words
-  # and grids of more waves the tile's own.
+  # H200 1.17x faster at 30 GEMMs drawn after the rule); 16 x 32 and 64 x 16 keep 4, rows
+  # of whole words and grids of more waves the tile's own.
   assert warps(16, 5120, 2047) == warps(3, 10240, 2047) == warps(16, 5119, 2048) == 8
   assert warps(16, 4096, 2047) == warps(31, 2050, 2047) == 4
   assert warps(16, 5120, 2048) == warps(16, 10240, 2048) == warps(16, 57343, 2048) == 4
@@ -1293,7 +1293,7 @@ def test_gpu_deep_steps_give_the_64_deep_bits():
   and chunks that end in a single deep step (run as 64-deep steps:
   ``MIN_DEEP_STEPS``), in two, or in single and partial steps, on the 16 x 16
   tile at its 2 warps and at the SYNC_LOAD_MIN_WARPS of rows of odd length
-  (2467 indices here), on 16 x 64 at their SYNC_LOAD_WIDE_WARPS and on 64 x 16;
+  (2467 indices here), on 16 x 64 at SYNC_LOAD_WIDE_WARPS and on 64 x 16;
   NN and NT, every plan against one."""
   rng = np.random.default_rng(10)
   for rows, contraction, cols, chunk in ((8, 2944, 1328, 2816), (56, 3072, 1328, 2816),
