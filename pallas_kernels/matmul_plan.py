@@ -433,9 +433,8 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   shared memory together, where at least ``RESIDENT_MIN_STAGES`` remain;
   stages are fitted to shared memory. In a single wave, tiles of at most
   GPU_ONE_ROW_OF_TILES rows over operand rows that are not whole words
-  (:func:`rows_miss_words`) take ``DEEP_STEP_K``-deep steps and at least
-  ``SYNC_LOAD_MIN_WARPS`` warps (``SYNC_LOAD_WIDE_WARPS`` on tiles at least
-  ``SYNC_LOAD_WIDE_ASPECT`` times as wide as tall); otherwise the smallest stages
+  (:func:`rows_miss_words`) take ``DEEP_STEP_K``-deep steps on
+  :func:`sync_load_warps`' warps; otherwise the smallest stages
   (``DEEP_STEP_STAGE_BYTES``) over a long ``contraction`` take deeper steps (the
   Pallas Triton kernel's ``step_k``):
   ``DEEP_STEP_K`` where their stages hold it whole (NN: with
@@ -477,9 +476,7 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
     return pallas_triton.fit_stages(tiles, dtype, out_dtype)
   if (contraction is not None and tiles.block_m <= pallas_triton.GPU_ONE_ROW_OF_TILES
       and rows_miss_words(layout, rows, cols, contraction, dtype)):
-    wide = tiles.block_n >= SYNC_LOAD_WIDE_ASPECT * tiles.block_m
-    warps = SYNC_LOAD_WIDE_WARPS if wide else SYNC_LOAD_MIN_WARPS
-    tiles = dataclasses.replace(tiles, num_warps=max(tiles.num_warps, warps))
+    tiles = dataclasses.replace(tiles, num_warps=sync_load_warps(tiles))
     return stepped(pallas_triton.DEEP_STEP_K)
   tiles = pallas_triton.fit_stages(tiles, dtype, out_dtype)
   if (program_contraction is None or program_contraction < pallas_triton.DEEP_STEP_MIN_CONTRACTION
@@ -493,6 +490,15 @@ def triton_tiles(layout: Layout, rows: int, cols: int, dtype, out_dtype, groups:
   if mosaic.takes(layout, rows, cols, contraction):  # 16-byte rows: vector loads
     return stepped(pallas_triton.STREAMED_STEP_K)
   return tiles
+
+
+def sync_load_warps(tiles: MatmulTiles) -> int:
+  """The warps a Triton tile runs where operand rows are not whole words
+  (:func:`rows_miss_words`) and each thread issues its share of the synchronous
+  2-byte loads: at least SYNC_LOAD_MIN_WARPS, SYNC_LOAD_WIDE_WARPS on tiles at
+  least SYNC_LOAD_WIDE_ASPECT times as wide as tall."""
+  wide = tiles.block_n >= SYNC_LOAD_WIDE_ASPECT * tiles.block_m
+  return max(tiles.num_warps, SYNC_LOAD_WIDE_WARPS if wide else SYNC_LOAD_MIN_WARPS)
 
 
 def rows_miss_words(layout: Layout, rows: int, cols: int, contraction: int, dtype) -> bool:

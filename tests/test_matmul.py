@@ -725,8 +725,8 @@ def test_plan_triton_tile_rule():
       assert launch_params(half) in configs, (m, n, half)
       assert launch_params(single)[:2] == launch_params(half)[:2]
       assert single.num_warps == half.num_warps or (
-          half.step_k == kernels.DEEP_STEP_K and half.num_warps in (
-              matmul_plan.SYNC_LOAD_MIN_WARPS, matmul_plan.SYNC_LOAD_WIDE_WARPS))
+          half.step_k == kernels.DEEP_STEP_K
+          and half.num_warps == matmul_plan.sync_load_warps(_ladder_tile(half)))
       own_stages = lambda dtype: kernels.fit_stages(_ladder_tile(half), dtype, dtype).num_stages
       # bf16 at resident stages, float32 at its own: too few of its stages share an SM.
       assert (single.num_stages <= half.num_stages or single.step_k < half.step_k
@@ -1077,9 +1077,8 @@ def _gpu_ladder_configs(words_missed: bool = False):
   and those whose stages are small enough with DEEP_STEP_K- and
   STREAMED_STEP_K-deep steps too; with ``words_missed`` (operand rows that are
   not whole words: ``matmul_plan.rows_miss_words``) every tile of at most
-  GPU_ONE_ROW_OF_TILES rows with DEEP_STEP_K-deep steps and at least
-  SYNC_LOAD_MIN_WARPS warps (SYNC_LOAD_WIDE_WARPS on tiles at least
-  SYNC_LOAD_WIDE_ASPECT times as wide as tall) too; and every tile at
+  GPU_ONE_ROW_OF_TILES rows with DEEP_STEP_K-deep steps on
+  ``matmul_plan.sync_load_warps``' warps too; and every tile at
   the stages at which 2-32 of its programs share an SM (``triton_tiles``' resident
   stages, at least RESIDENT_MIN_STAGES)."""
   configs = [config for tiles in kernels.GPU_MATMUL_LADDER
@@ -1089,13 +1088,9 @@ def _gpu_ladder_configs(words_missed: bool = False):
           for step_k in (kernels.DEEP_STEP_K, kernels.STREAMED_STEP_K)
           if config.stage_bytes(bf16) <= kernels.DEEP_STEP_STAGE_BYTES]
   if words_missed:
-    sync_warps = lambda config: (
-        matmul_plan.SYNC_LOAD_WIDE_WARPS
-        if config.block_n >= matmul_plan.SYNC_LOAD_WIDE_ASPECT * config.block_m
-        else matmul_plan.SYNC_LOAD_MIN_WARPS)
-    deep += [dataclasses.replace(config, step_k=kernels.DEEP_STEP_K, num_warps=max(
-                 config.num_warps, sync_warps(config))) for config in configs
-             if config.block_m <= kernels.GPU_ONE_ROW_OF_TILES]
+    deep += [dataclasses.replace(config, step_k=kernels.DEEP_STEP_K,
+                                 num_warps=matmul_plan.sync_load_warps(config))
+             for config in configs if config.block_m <= kernels.GPU_ONE_ROW_OF_TILES]
   resident = (kernels.fit_stages(tiles, bf16, bf16, programs_per_sm)
               for tiles in kernels.GPU_MATMUL_LADDER for programs_per_sm in range(2, 33))
   return list(dict.fromkeys(configs + deep + [
