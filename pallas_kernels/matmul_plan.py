@@ -182,7 +182,13 @@ SYNC_LOAD_WIDE_WARPS = 8
 # stores it at speed: padded, two of four such GEMMs lost (0.47x, 0.64x). At 24
 # GEMMs drawn after the rule, 1.68x (19 faster; 0.50-0.87x at five over short
 # contractions, 288-512 indices or 104-128 tokens, not explained); padding would
-# have slowed 7 of the 8 it declined.
+# have slowed 7 of the 8 it declined. Toward the Mosaic kernel's stream tiles
+# (mosaic_stream_tiles) it pads only above the rows of the Triton ladder's shortest
+# tiles (SMALLEST_LADDER_TILE), where the ladder holds the rows in 64-row tiles. On an
+# H200 (h100.md, sixty-first section), at 23 random such GEMMs of 17-48 rows the copies
+# and the stream tiles ran 1.30x as fast as the unpadded ladder (19 faster, 0.86-0.90x
+# at 3) and 1.37x at 24 drawn after the bound (23 faster, 0.96x at one); at 24 of 4-15
+# rows, where the ladder's 16-row tiles take deep steps, 0.92x (15 slower).
 PITCH_PAD_MIN_MACS = 1 << 28
 # Up to STREAM_ROWS rows a single forward or dA over a contraction of at least
 # STREAM_MIN_CONTRACTION runs on the Mosaic GPU kernel's stream tiles
@@ -357,14 +363,16 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   ``contraction_chunk``) is the Mosaic GPU kernel's (so a Hopper GPU and 16-bit
   operands). Zero padding adds zero products in the contraction's last step and
   columns that are sliced off, so the bits are those of the unpadded GEMM on
-  any kernel. Not the stream tiles (:func:`mosaic_stream_tiles`): at their few
-  rows the copy of the weight costs about what the GEMM does."""
+  any kernel. The stream tiles (:func:`mosaic_stream_tiles`) only above the rows
+  of the Triton ladder's shortest tiles (``SMALLEST_LADDER_TILE``): up to those
+  rows the ladder streams the unpadded weight about as fast as the copy costs."""
   if rows * cols * contraction < PITCH_PAD_MIN_MACS:
     return None
   sizes = pitch_padded_sizes(layout, rows, cols, contraction)
   padded = plan(layout, *sizes, dtype=dtype, out_dtype=out_dtype, device=device,
                 contraction_chunk=contraction_chunk or sizes[2], split_chunks=split_chunks)
-  if padded.kernel is not Kernel.MOSAIC_GPU or padded.tiles.streams:
+  if (padded.kernel is not Kernel.MOSAIC_GPU
+      or padded.tiles.streams and rows <= SMALLEST_LADDER_TILE[0]):
     return None
   return dataclasses.replace(padded, pitch_padded=True)
 

@@ -1022,13 +1022,14 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
   """A single 16-bit GEMM on a Hopper GPU whose lhs or rhs rows miss 16 bytes
   runs on operands padded to 16-byte pitches exactly where it does at least
   PITCH_PAD_MIN_MACS multiply-adds and the plan of the padded sizes is the Mosaic
-  GPU kernel's, but for its stream tiles (hopper_matmul.stream_tiles): that plan,
-  with the unpadded GEMM's chunks (which padding does not move). A result whose
-  rows alone miss, groups, float32 operands and other GPUs are never padded."""
+  GPU kernel's, its stream tiles (hopper_matmul.stream_tiles) only above 16 rows:
+  that plan, with the unpadded GEMM's chunks (which padding does not move). A
+  result whose rows alone miss, groups, float32 operands and other GPUs are never
+  padded."""
   ampere = matmul_plan.Device("gpu", "8.0", 108)
-  padded_somewhere = set()
+  padded_somewhere, padded_streams = set(), set()
   for layout, groups, dtype in itertools.product(Layout, (1, 8), (bf16, jnp.dtype(jnp.float32))):
-    for rows in (1, 48, 64, 100, 300, 1001, 4096):
+    for rows in (1, 16, 17, 48, 64, 100, 300, 1001, 4096):
       for cols in (64, 727, 1000, 1004, 4096):
         for contraction in (100, 487, 1000, 3000, 4099):
           chosen = _plan(layout, rows, cols, contraction, dtype=dtype, groups=groups)
@@ -1037,7 +1038,7 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
           assert matmul_plan.fixed_contraction_chunk(layout, *sizes[1:]) == chunk
           padded = _plan(layout, *sizes, dtype=dtype, contraction_chunk=chunk or sizes[2])
           pays = (groups == 1 and dtype == bf16 and padded.kernel is Kernel.MOSAIC_GPU
-                  and not padded.tiles.streams
+                  and (rows > 16 or not padded.tiles.streams)
                   and rows * cols * contraction >= matmul_plan.PITCH_PAD_MIN_MACS
                   and matmul_plan.operand_rows_miss_pitch(layout, rows, cols, contraction))
           assert chosen.pitch_padded == pays, (layout, groups, dtype, rows, cols, contraction)
@@ -1045,9 +1046,11 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
             assert chosen == dataclasses.replace(padded, pitch_padded=True)
             assert hopper.takes(layout, *sizes) and chosen.contraction_chunk == chunk
             padded_somewhere.add(layout)
+            if chosen.tiles.streams:
+              padded_streams.add(rows)
           assert not _plan(layout, rows, cols, contraction, dtype=dtype, groups=groups,
                            device=ampere).pitch_padded
-  assert padded_somewhere == set(Layout)
+  assert padded_somewhere == set(Layout) and padded_streams == {17, 48}
   assert not _plan(Layout.NT, 4096, 1001, 4096).pitch_padded  # only the result's rows miss
 
 
@@ -1313,6 +1316,33 @@ def test_gpu_deep_steps_give_the_64_deep_bits():
       for p in plans[1:]:
         assert_bitwise_equal(run(p), reference, what=f"{layout.name} {rows} x {contraction} "
                              f"x {cols} in chunks of {chunk}, {p} vs {plans[0]}")
+
+
+@pytest.mark.gpu
+def test_gpu_pitch_padded_stream_tiles_give_the_unpadded_bits():
+  """Above 16 rows, a forward and a dA whose operand rows miss 16 bytes (a 6351 x
+  4657 weight) run on copies padded to 16-byte pitches on the Mosaic GPU kernel's
+  stream tiles (``matmul_plan.pitch_padded_plan``): jdet.matmul gives the bits of
+  the unpadded Triton ladder plan and of the same rows in a 4096-row GEMM."""
+  rng = np.random.default_rng(11)
+  k, n, many = 6351, 4657, 4096
+  a = random_normal(rng, (many, k), bf16)
+  b = random_normal(rng, (k, n), bf16)
+  g = random_normal(rng, (many, n), bf16)
+  forward, da = mm(a, b), mm_da(a, b, g)
+  for rows in (17, 48):
+    for name, layout, lhs, cols, contraction, got, want in (
+        ("forward", Layout.NN, a[:rows], n, k, mm(a[:rows], b), forward[:rows]),
+        ("dA", Layout.NT, g[:rows], k, n, mm_da(a[:rows], b, g[:rows]), da[:rows])):
+      chosen = _plan(layout, rows, cols, contraction, device=None)
+      assert chosen.pitch_padded and chosen.tiles.streams, (name, rows, chosen)
+      ladder = dataclasses.replace(chosen, kernel=Kernel.PALLAS_TRITON, pitch_padded=False,
+                                   tiles=matmul_plan.triton_tiles(
+                                       layout, rows, cols, bf16, bf16, contraction=contraction,
+                                       chunked=chosen.contraction_chunk is not None))
+      unpadded = matmul_plan.launch(ladder, lhs[None], b[None], layout=layout, out_dtype=bf16)
+      assert_bitwise_equal(got, unpadded[0], what=f"{name} M={rows} against {ladder}")
+      assert_bitwise_equal(got, want, what=f"{name} M={rows} against M={many}")
 
 
 @pytest.mark.gpu
