@@ -372,7 +372,7 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   padded = plan(layout, *sizes, dtype=dtype, out_dtype=out_dtype, device=device,
                 contraction_chunk=contraction_chunk or sizes[2], split_chunks=split_chunks)
   if (padded.kernel is not Kernel.MOSAIC_GPU
-      or padded.tiles.streams and rows <= SMALLEST_LADDER_TILE[0]):
+      or (padded.tiles.streams and rows <= SMALLEST_LADDER_TILE[0])):
     return None
   return dataclasses.replace(padded, pitch_padded=True)
 

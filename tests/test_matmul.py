@@ -692,7 +692,7 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
   assert tiles(16, 132 * 64 + 8, 28672) is None
   assert tiles(16, 14336, 4096) is None                                # 224 tiles
   assert tiles(16, 4096, 14336, out_dtype=jnp.float32) is None         # not transposed
-  assert tiles(16, 4096, 4100) is None      # no pitch-padded copy of a streamed weight
+  assert tiles(16, 4096, 4100) is None      # up to 16 rows no pitch-padded stream tiles
   assert tiles(16, 4100, 14336) is None     # nor of a weight of unaligned width
   assert _plan(Layout.NN, 16, 4096, 14336, groups=2).kernel is Kernel.PALLAS_TRITON
   assert _plan(Layout.NN, 16, 4096, 14336, device=matmul_plan.Device("gpu", "8.0", 108)
