@@ -188,7 +188,15 @@ SYNC_LOAD_WIDE_WARPS = 8
 # H200 (h100.md, sixty-first section), at 23 random such GEMMs of 17-48 rows the copies
 # and the stream tiles ran 1.30x as fast as the unpadded ladder (19 faster, 0.86-0.90x
 # at 3) and 1.37x at 24 drawn after the bound (23 faster, 0.96x at one); at 24 of 4-15
-# rows, where the ladder's 16-row tiles take deep steps, 0.92x (15 slower).
+# rows, where the ladder's 16-row tiles take deep steps, 0.92x (15 slower). Toward the
+# Triton ladder (the padded sizes' plan where the stream tiles do not run) it pads an
+# unchunked NT GEMM of those 17-64 rows (one row of 64-row tiles) whose rows are not
+# whole words (rows_miss_words): the contraction is both operands' minor dimension, and
+# the padded rows take the ladder's 64-deep asynchronous steps. On an H200 (same
+# section), padded against unpadded: NT 1.57x / 1.45x at 10 / 10 GEMMs of two draws
+# (8 faster in the second), 1.65x at 30 NT drawn after the rule (28 faster, 0.89x at
+# worst); NN mixed (1.14x / 1.04x at 17 / 14 where the weight's rows miss, 4 / 8
+# slower; 0.97x / 0.70x at 9 / 12 where only the activation's do).
 PITCH_PAD_MIN_MACS = 1 << 28
 # Up to STREAM_ROWS rows a single forward or dA over a contraction of at least
 # STREAM_MIN_CONTRACTION runs on the Mosaic GPU kernel's stream tiles
@@ -361,20 +369,27 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   None where it is not taken: at least ``PITCH_PAD_MIN_MACS`` multiply-adds, and
   the plan of the padded sizes (:func:`pitch_padded_sizes`, the same
   ``contraction_chunk``) is the Mosaic GPU kernel's (so a Hopper GPU and 16-bit
-  operands). Zero padding adds zero products in the contraction's last step and
-  columns that are sliced off, so the bits are those of the unpadded GEMM on
-  any kernel. The stream tiles (:func:`mosaic_stream_tiles`) only above the rows
-  of the Triton ladder's shortest tiles (``SMALLEST_LADDER_TILE``): up to those
-  rows the ladder streams the unpadded weight about as fast as the copy costs."""
+  operands), its stream tiles (:func:`mosaic_stream_tiles`) only above the rows
+  of the Triton ladder's shortest tiles (``SMALLEST_LADDER_TILE``: up to those
+  rows the ladder streams the unpadded weight about as fast as the copy costs);
+  or, on a Hopper GPU, the Triton ladder's for an unchunked NT GEMM of more rows
+  than those tiles' and at most GPU_ONE_ROW_OF_TILES, whose rows are not whole
+  words (:func:`rows_miss_words`). Zero padding adds zero products in the
+  contraction's last step and columns that are sliced off, so the bits are those
+  of the unpadded GEMM on any kernel."""
   if rows * cols * contraction < PITCH_PAD_MIN_MACS:
     return None
   sizes = pitch_padded_sizes(layout, rows, cols, contraction)
   padded = plan(layout, *sizes, dtype=dtype, out_dtype=out_dtype, device=device,
                 contraction_chunk=contraction_chunk or sizes[2], split_chunks=split_chunks)
-  if (padded.kernel is not Kernel.MOSAIC_GPU
-      or (padded.tiles.streams and rows <= SMALLEST_LADDER_TILE[0])):
-    return None
-  return dataclasses.replace(padded, pitch_padded=True)
+  above_shortest_tiles = rows > SMALLEST_LADDER_TILE[0]
+  if padded.kernel is Kernel.MOSAIC_GPU:
+    takes = above_shortest_tiles or not padded.tiles.streams
+  else:
+    takes = (layout is Layout.NT and contraction_chunk is None and device.is_hopper
+             and above_shortest_tiles and rows <= pallas_triton.GPU_ONE_ROW_OF_TILES
+             and rows_miss_words(layout, rows, cols, contraction, dtype))
+  return dataclasses.replace(padded, pitch_padded=True) if takes else None
 
 
 def pad_to_pitch(layout: Layout, lhs, rhs):

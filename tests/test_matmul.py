@@ -1022,12 +1022,13 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
   """A single 16-bit GEMM on a Hopper GPU whose lhs or rhs rows miss 16 bytes
   runs on operands padded to 16-byte pitches exactly where it does at least
   PITCH_PAD_MIN_MACS multiply-adds and the plan of the padded sizes is the Mosaic
-  GPU kernel's, its stream tiles (hopper_matmul.stream_tiles) only above 16 rows:
+  GPU kernel's, its stream tiles (hopper_matmul.stream_tiles) only above 16 rows,
+  or the Triton ladder's for an unchunked NT GEMM of 17-64 rows of odd length:
   that plan, with the unpadded GEMM's chunks (which padding does not move). A
   result whose rows alone miss, groups, float32 operands and other GPUs are never
   padded."""
   ampere = matmul_plan.Device("gpu", "8.0", 108)
-  padded_somewhere, padded_streams = set(), set()
+  padded_somewhere, padded_streams, padded_ladders = set(), set(), set()
   for layout, groups, dtype in itertools.product(Layout, (1, 8), (bf16, jnp.dtype(jnp.float32))):
     for rows in (1, 16, 17, 48, 64, 100, 300, 1001, 4096):
       for cols in (64, 727, 1000, 1004, 4096):
@@ -1037,8 +1038,11 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
           chunk = matmul_plan.fixed_contraction_chunk(layout, cols, contraction)
           assert matmul_plan.fixed_contraction_chunk(layout, *sizes[1:]) == chunk
           padded = _plan(layout, *sizes, dtype=dtype, contraction_chunk=chunk or sizes[2])
-          pays = (groups == 1 and dtype == bf16 and padded.kernel is Kernel.MOSAIC_GPU
-                  and (rows > 16 or not padded.tiles.streams)
+          mosaic_pays = (padded.kernel is Kernel.MOSAIC_GPU
+                         and (rows > 16 or not padded.tiles.streams))
+          ladder_pays = (padded.kernel is Kernel.PALLAS_TRITON and layout is Layout.NT
+                         and 16 < rows <= 64 and chunk is None and contraction % 2 == 1)
+          pays = (groups == 1 and dtype == bf16 and (mosaic_pays or ladder_pays)
                   and rows * cols * contraction >= matmul_plan.PITCH_PAD_MIN_MACS
                   and matmul_plan.operand_rows_miss_pitch(layout, rows, cols, contraction))
           assert chosen.pitch_padded == pays, (layout, groups, dtype, rows, cols, contraction)
@@ -1046,11 +1050,22 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
             assert chosen == dataclasses.replace(padded, pitch_padded=True)
             assert hopper.takes(layout, *sizes) and chosen.contraction_chunk == chunk
             padded_somewhere.add(layout)
-            if chosen.tiles.streams:
+            if chosen.kernel is Kernel.PALLAS_TRITON:
+              padded_ladders.add(rows)
+            elif chosen.tiles.streams:
               padded_streams.add(rows)
           assert not _plan(layout, rows, cols, contraction, dtype=dtype, groups=groups,
                            device=ampere).pitch_padded
   assert padded_somewhere == set(Layout) and padded_streams == {17, 48}
+  assert padded_ladders == {64}
+  # Past one wave of stream tiles (132 x 64 columns), NT of 17 rows pads for the ladder too;
+  # NN, 16 rows and a chunked contraction (chunks of 2048 here) do not.
+  wide = 132 * 64 + 8
+  assert _plan(Layout.NT, 17, wide, 4099).pitch_padded
+  assert _plan(Layout.NT, 17, wide, 4099).kernel is Kernel.PALLAS_TRITON
+  assert not _plan(Layout.NN, 17, wide, 4099).pitch_padded
+  assert not _plan(Layout.NT, 16, wide, 16411).pitch_padded
+  assert not _plan(Layout.NT, 48, 1000, 16411).pitch_padded
   assert not _plan(Layout.NT, 4096, 1001, 4096).pitch_padded  # only the result's rows miss
 
 
@@ -1109,8 +1124,9 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
   of its candidate tiles (``matmul_plan.mosaic_tile_candidates``), for a chunked
   contraction with the chunks split too (up to STREAM_ROWS rows its stream tiles:
   ``hopper_matmul.stream_tiles``); where the plan pads the operands to
-  16-byte pitches (``matmul_plan.pitch_padded_plan``), the Mosaic GPU plans of the
-  padded sizes, padded. ``device``: the plan's (default: the current one)."""
+  16-byte pitches (``matmul_plan.pitch_padded_plan``), the padded sizes' plans of
+  the Mosaic GPU kernel and of the padded plan's kernel, padded. ``device``: the
+  plan's (default: the current one)."""
   chunk = matmul_plan.fixed_contraction_chunk(layout, cols, contraction)
   words_missed = matmul_plan.rows_miss_words(layout, rows, cols, contraction, dtype)
   ladder = (_gpu_ladder_configs(words_missed) if layout is not Layout.TN
@@ -1129,7 +1145,7 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
     sizes = matmul_plan.pitch_padded_sizes(layout, rows, cols, contraction)
     plans += [dataclasses.replace(p, pitch_padded=True)
               for p in _every_plan(layout, *sizes, dtype, device=device)
-              if p.kernel is Kernel.MOSAIC_GPU]
+              if p.kernel in (Kernel.MOSAIC_GPU, chosen.kernel)]
   elif chosen.kernel is Kernel.MOSAIC_GPU and chosen.tiles.streams:
     plans.append(chosen)  # the stream tiles, the one Mosaic GPU tile of these rows
   elif chosen.kernel is Kernel.MOSAIC_GPU:
@@ -1319,30 +1335,33 @@ def test_gpu_deep_steps_give_the_64_deep_bits():
 
 
 @pytest.mark.gpu
-def test_gpu_pitch_padded_stream_tiles_give_the_unpadded_bits():
+def test_gpu_pitch_padded_plans_give_the_unpadded_bits():
   """Above 16 rows, a forward and a dA whose operand rows miss 16 bytes (a 6351 x
-  4657 weight) run on copies padded to 16-byte pitches on the Mosaic GPU kernel's
-  stream tiles (``matmul_plan.pitch_padded_plan``): jdet.matmul gives the bits of
-  the unpadded Triton ladder plan and of the same rows in a 4096-row GEMM."""
+  4657 weight) run on copies padded to 16-byte pitches
+  (``matmul_plan.pitch_padded_plan``): at 17 and 48 rows on the Mosaic GPU
+  kernel's stream tiles, the dA (NT) at 64 rows on the Triton ladder. jdet.matmul
+  gives the bits of the unpadded Triton ladder plan and of the same rows in a
+  4096-row GEMM."""
   rng = np.random.default_rng(11)
   k, n, many = 6351, 4657, 4096
   a = random_normal(rng, (many, k), bf16)
   b = random_normal(rng, (k, n), bf16)
   g = random_normal(rng, (many, n), bf16)
   forward, da = mm(a, b), mm_da(a, b, g)
-  for rows in (17, 48):
-    for name, layout, lhs, cols, contraction, got, want in (
-        ("forward", Layout.NN, a[:rows], n, k, mm(a[:rows], b), forward[:rows]),
-        ("dA", Layout.NT, g[:rows], k, n, mm_da(a[:rows], b, g[:rows]), da[:rows])):
-      chosen = _plan(layout, rows, cols, contraction, device=None)
-      assert chosen.pitch_padded and chosen.tiles.streams, (name, rows, chosen)
-      ladder = dataclasses.replace(chosen, kernel=Kernel.PALLAS_TRITON, pitch_padded=False,
-                                   tiles=matmul_plan.triton_tiles(
-                                       layout, rows, cols, bf16, bf16, contraction=contraction,
-                                       chunked=chosen.contraction_chunk is not None))
-      unpadded = matmul_plan.launch(ladder, lhs[None], b[None], layout=layout, out_dtype=bf16)
-      assert_bitwise_equal(got, unpadded[0], what=f"{name} M={rows} against {ladder}")
-      assert_bitwise_equal(got, want, what=f"{name} M={rows} against M={many}")
+  cases = [(rows, name, Kernel.MOSAIC_GPU) for rows in (17, 48) for name in ("forward", "dA")]
+  for rows, name, kernel in cases + [(64, "dA", Kernel.PALLAS_TRITON)]:
+    layout, lhs, cols, contraction, got, want = (
+        (Layout.NN, a[:rows], n, k, mm(a[:rows], b), forward[:rows]) if name == "forward" else
+        (Layout.NT, g[:rows], k, n, mm_da(a[:rows], b, g[:rows]), da[:rows]))
+    chosen = _plan(layout, rows, cols, contraction, device=None)
+    assert chosen.pitch_padded and chosen.kernel is kernel, (name, rows, chosen)
+    ladder = dataclasses.replace(chosen, kernel=Kernel.PALLAS_TRITON, pitch_padded=False,
+                                 tiles=matmul_plan.triton_tiles(
+                                     layout, rows, cols, bf16, bf16, contraction=contraction,
+                                     chunked=chosen.contraction_chunk is not None))
+    unpadded = matmul_plan.launch(ladder, lhs[None], b[None], layout=layout, out_dtype=bf16)
+    assert_bitwise_equal(got, unpadded[0], what=f"{name} M={rows} against {ladder}")
+    assert_bitwise_equal(got, want, what=f"{name} M={rows} against M={many}")
 
 
 @pytest.mark.gpu
