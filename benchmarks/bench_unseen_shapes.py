@@ -11,7 +11,7 @@ Run: ``PYTHONPATH=. python3 benchmarks/bench_unseen_shapes.py [--part NAME ...]`
 (parts: rows, attention, token_logprobs, matmul, matmul_random; default all; on
 a CPU the kernels run in interpret mode and the timings mean nothing).
 ``matmul_random`` draws its GEMM sizes at random from a fixed seed
-(benchmarks/results/h100_unseen_shapes.md, fortieth section).
+(benchmarks/results/h100_unseen_shapes.md, fortieth section), or from ``--seed``.
 """
 
 from __future__ import annotations
@@ -110,9 +110,13 @@ def main():
   parser.add_argument("--copies", type=int, default=2,
                       help="input sets per case (fewer compile faster, but where "
                            "all the sets fit in L2 they stay there between calls)")
+  parser.add_argument("--seed", type=int,
+                      help="matmul_random's seed, for a fresh draw (default: the fixed seed of "
+                           "its table in benchmarks/results/h100_unseen_shapes.md)")
   args = parser.parse_args()
   for part in args.part or PARTS:
-    bench.report(f"unseen shapes: {part}", PARTS[part](), most_copies=args.copies)
+    draw = {"seed": args.seed} if part == "matmul_random" and args.seed is not None else {}
+    bench.report(f"unseen shapes: {part}", PARTS[part](**draw), most_copies=args.copies)
 
 
 if __name__ == "__main__":
