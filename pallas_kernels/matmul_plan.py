@@ -188,7 +188,10 @@ SYNC_LOAD_WIDE_WARPS = 8
 # H200 (h100.md, sixty-first section), at 23 random such GEMMs of 17-48 rows the copies
 # and the stream tiles ran 1.30x as fast as the unpadded ladder (19 faster, 0.86-0.90x
 # at 3) and 1.37x at 24 drawn after the bound (23 faster, 0.96x at one); at 24 of 4-15
-# rows, where the ladder's 16-row tiles take deep steps, 0.92x (15 slower). Toward the
+# rows, where the ladder's 16-row tiles take deep steps, 0.92x (15 slower). Those GEMMs'
+# rows were not whole words (rows_miss_words); at 24 of 17-48 rows whose rows are whole
+# words, the ladder unpadded ran 1.33x as fast as the copies and stream tiles (20 faster;
+# sixty-second section), so there the ladder keeps them unpadded. Toward the
 # Triton ladder (the padded sizes' plan where the stream tiles do not run) it pads an
 # unchunked NT GEMM of those 17-64 rows (one row of 64-row tiles) whose rows are not
 # whole words (rows_miss_words): the contraction is both operands' minor dimension, and
@@ -371,10 +374,12 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   ``contraction_chunk``) is the Mosaic GPU kernel's (so a Hopper GPU and 16-bit
   operands), its stream tiles (:func:`mosaic_stream_tiles`) only above the rows
   of the Triton ladder's shortest tiles (``SMALLEST_LADDER_TILE``: up to those
-  rows the ladder streams the unpadded weight about as fast as the copy costs);
-  or, on a Hopper GPU, the Triton ladder's for an unchunked NT GEMM of more rows
-  than those tiles' and at most GPU_ONE_ROW_OF_TILES, whose rows are not whole
-  words (:func:`rows_miss_words`). Zero padding adds zero products in the
+  rows the ladder streams the unpadded weight about as fast as the copy costs)
+  and where operand rows are not whole words (:func:`rows_miss_words`: Triton
+  loads rows of whole words asynchronously, faster than the copy and the stream
+  tiles); or, on a Hopper GPU, the Triton ladder's for an unchunked NT GEMM of
+  rows not whole words, more rows than those tiles' and at most
+  GPU_ONE_ROW_OF_TILES. Zero padding adds zero products in the
   contraction's last step and columns that are sliced off, so the bits are those
   of the unpadded GEMM on any kernel."""
   if rows * cols * contraction < PITCH_PAD_MIN_MACS:
@@ -382,13 +387,14 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   sizes = pitch_padded_sizes(layout, rows, cols, contraction)
   padded = plan(layout, *sizes, dtype=dtype, out_dtype=out_dtype, device=device,
                 contraction_chunk=contraction_chunk or sizes[2], split_chunks=split_chunks)
-  above_shortest_tiles = rows > SMALLEST_LADDER_TILE[0]
+  sync_loads_above_shortest_tiles = (rows > SMALLEST_LADDER_TILE[0] and rows_miss_words(
+      layout, rows, cols, contraction, dtype))
   if padded.kernel is Kernel.MOSAIC_GPU:
-    takes = above_shortest_tiles or not padded.tiles.streams
+    takes = sync_loads_above_shortest_tiles or not padded.tiles.streams
   else:
     takes = (layout is Layout.NT and contraction_chunk is None and device.is_hopper
-             and above_shortest_tiles and rows <= pallas_triton.GPU_ONE_ROW_OF_TILES
-             and rows_miss_words(layout, rows, cols, contraction, dtype))
+             and sync_loads_above_shortest_tiles
+             and rows <= pallas_triton.GPU_ONE_ROW_OF_TILES)
   return dataclasses.replace(padded, pitch_padded=True) if takes else None
 
 

@@ -1022,8 +1022,9 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
   """A single 16-bit GEMM on a Hopper GPU whose lhs or rhs rows miss 16 bytes
   runs on operands padded to 16-byte pitches exactly where it does at least
   PITCH_PAD_MIN_MACS multiply-adds and the plan of the padded sizes is the Mosaic
-  GPU kernel's, its stream tiles (hopper_matmul.stream_tiles) only above 16 rows,
-  or the Triton ladder's for an unchunked NT GEMM of 17-64 rows of odd length:
+  GPU kernel's, its stream tiles (hopper_matmul.stream_tiles) only above 16 rows
+  of odd length, or the Triton ladder's for an unchunked NT GEMM of 17-64 rows of
+  odd length:
   that plan, with the unpadded GEMM's chunks (which padding does not move). A
   result whose rows alone miss, groups, float32 operands and other GPUs are never
   padded."""
@@ -1038,10 +1039,11 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
           chunk = matmul_plan.fixed_contraction_chunk(layout, cols, contraction)
           assert matmul_plan.fixed_contraction_chunk(layout, *sizes[1:]) == chunk
           padded = _plan(layout, *sizes, dtype=dtype, contraction_chunk=chunk or sizes[2])
+          odd_rows = any(minor % 2 for minor in layout.minor_dims(rows, cols, contraction))
           mosaic_pays = (padded.kernel is Kernel.MOSAIC_GPU
-                         and (rows > 16 or not padded.tiles.streams))
+                         and (rows > 16 and odd_rows or not padded.tiles.streams))
           ladder_pays = (padded.kernel is Kernel.PALLAS_TRITON and layout is Layout.NT
-                         and 16 < rows <= 64 and chunk is None and contraction % 2 == 1)
+                         and 16 < rows <= 64 and chunk is None and odd_rows)
           pays = (groups == 1 and dtype == bf16 and (mosaic_pays or ladder_pays)
                   and rows * cols * contraction >= matmul_plan.PITCH_PAD_MIN_MACS
                   and matmul_plan.operand_rows_miss_pitch(layout, rows, cols, contraction))
@@ -1067,6 +1069,10 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
   assert not _plan(Layout.NT, 16, wide, 16411).pitch_padded
   assert not _plan(Layout.NT, 48, 1000, 16411).pitch_padded
   assert not _plan(Layout.NT, 4096, 1001, 4096).pitch_padded  # only the result's rows miss
+  # Above 16 rows the stream tiles take copies only of rows that are not whole words.
+  assert _plan(Layout.NN, 48, 4101, 4096).pitch_padded
+  assert _plan(Layout.NN, 48, 4101, 4096).tiles.streams
+  assert not _plan(Layout.NN, 48, 4100, 4096).pitch_padded
 
 
 @pytest.mark.parametrize("layout", list(Layout))
