@@ -1024,10 +1024,9 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
   PITCH_PAD_MIN_MACS multiply-adds and the plan of the padded sizes is the Mosaic
   GPU kernel's, its stream tiles (hopper_matmul.stream_tiles) only above 16 rows
   of odd length, or the Triton ladder's for an unchunked NT GEMM of 17-64 rows of
-  odd length:
-  that plan, with the unpadded GEMM's chunks (which padding does not move). A
-  result whose rows alone miss, groups, float32 operands and other GPUs are never
-  padded."""
+  odd length: that plan, with the unpadded GEMM's chunks (which padding does not
+  move). A result whose rows alone miss, groups, float32 operands and other GPUs
+  are never padded."""
   ampere = matmul_plan.Device("gpu", "8.0", 108)
   padded_somewhere, padded_streams, padded_ladders = set(), set(), set()
   for layout, groups, dtype in itertools.product(Layout, (1, 8), (bf16, jnp.dtype(jnp.float32))):
