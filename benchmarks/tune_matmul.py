@@ -14,8 +14,8 @@ at any row count, the Triton ladder, a chunked contraction's split) over the
 ``--kn`` weights;
 ``--split-m`` chunked GEMMs with their chunks inside each program and on programs of
 their own (``matmul_plan.plan``'s ``split_chunks``) over narrow weights (``--kn``,
-default SPLIT_KN): the measurement behind ``matmul_plan.SPLIT_CHUNK_ROWS`` and
-``SPLIT_MIN_CHUNKS``.
+default SPLIT_KN): the measurement behind ``matmul_plan.SPLIT_CHUNK_ROWS``,
+``SPLIT_MIN_CHUNKS`` and ``MANY_ROWS_SPLIT_MIN_CHUNKS``.
 """
 
 from __future__ import annotations

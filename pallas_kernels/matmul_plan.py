@@ -99,17 +99,23 @@ CHUNK_PER_COLUMN_TILE = 32
 CHUNK_GRANULE = 256
 MIN_CHUNK = 1024
 # Up to SPLIT_CHUNK_ROWS rows, a chunked GEMM whose contraction holds at least
-# SPLIT_MIN_CHUNKS whole chunks runs its chunks on programs of their own
+# SPLIT_MIN_CHUNKS chunks runs its chunks on programs of their own
 # (Plan.split_chunks): a narrow result there is a few row tiles of fewer than 128
 # sixteen-column tiles, so in-program chunks leave most SMs idle, and the split
-# at least halves each program's contraction. On the H100 the split ran
-# 1.14-2.2x faster than in-program chunks at 38 of 40 such GEMMs of 65-256 rows,
-# lost at 7 of 8 weights at 514 rows, and over 1.1-1.5 chunks ran 0.75-1.16x as
-# fast as in-program chunks (benchmarks/results/h100.md, forty-first section).
-# Above, the split runs only on the Mosaic GPU kernel, where the in-program
-# pick's tiles fill less than IN_PROGRAM_SPLIT_FILL of the SMs (splits_chunks).
+# cuts each program's contraction to a chunk, at most two thirds of it. On the
+# H100 the split ran 1.14-2.2x faster than in-program chunks at 38 of 40 such
+# GEMMs of 65-256 rows over two chunks or more, lost at 7 of 8 weights at 514
+# rows, and over 1.1-1.5 chunks ran 0.75-1.16x as fast as in-program chunks
+# (benchmarks/results/h100.md, forty-first section). On an H200 over 1.5-2 chunks
+# it ran faster at 31 of 31 GEMMs of 1-64 rows on the Triton ladder (a draw and a
+# held-out draw), and at 64 of 72 drawn afterwards of 1-256 rows on either
+# kernel, 1.16x in geometric mean, the slowest 0.85x (sixty-third section).
+# Above SPLIT_CHUNK_ROWS, the split runs only on the Mosaic GPU kernel, over at
+# least MANY_ROWS_SPLIT_MIN_CHUNKS chunks, where the in-program pick's tiles fill
+# less than IN_PROGRAM_SPLIT_FILL of the SMs (splits_chunks).
 SPLIT_CHUNK_ROWS = 256
-SPLIT_MIN_CHUNKS = 2
+SPLIT_MIN_CHUNKS = 1.5
+MANY_ROWS_SPLIT_MIN_CHUNKS = 2
 # A split runs on the Mosaic GPU kernel where it takes the sizes and, up to
 # SPLIT_CHUNK_ROWS rows, the work units of its pick (one chunk of one tile each:
 # mosaic_split_tiles) fill at least MOSAIC_SPLIT_FILL of the SMs' CTA slots
@@ -285,8 +291,8 @@ def plan(layout: Layout, rows: int, cols: int, contraction: int, *, dtype, out_d
   chunking. Every kernel runs chunks: the Triton kernels and the Mosaic GPU
   kernel on tiles whose accumulator fits twice
   (``pallas_kernels.matmul.holds_two_accumulators``); a single problem of
-  at most ``SPLIT_CHUNK_ROWS`` rows over at least ``SPLIT_MIN_CHUNKS`` whole
-  chunks runs its chunks on programs of their own (``Plan.split_chunks``), on
+  at most ``SPLIT_CHUNK_ROWS`` rows over at least ``SPLIT_MIN_CHUNKS`` chunks
+  runs its chunks on programs of their own (``Plan.split_chunks``), on
   the Mosaic GPU kernel where :func:`mosaic_split_tiles` gives tiles, else on
   the Triton ladder's; above SPLIT_CHUNK_ROWS rows on the Mosaic GPU kernel
   where :func:`splits_chunks` says.
@@ -618,16 +624,16 @@ def splits_chunks(layout: Layout, rows: int, cols: int, contraction: int,
                   mosaic_split: mosaic.HopperTiles | None) -> bool:
   """Whether a single forward or dA of a [rows, cols] result whose
   ``contraction`` is summed in chunks of ``contraction_chunk`` runs its chunks on
-  programs of their own: over at least SPLIT_MIN_CHUNKS whole chunks, and up to
-  SPLIT_CHUNK_ROWS rows on any kernel; above, only on the Mosaic GPU kernel
+  programs of their own: up to SPLIT_CHUNK_ROWS rows over at least
+  SPLIT_MIN_CHUNKS chunks, on any kernel; above, over at least
+  MANY_ROWS_SPLIT_MIN_CHUNKS chunks, only on the Mosaic GPU kernel
   (``mosaic_split``, :func:`mosaic_split_tiles`'s) and where the tiles of its
   in-program pick (:func:`mosaic_pick`) fill less than IN_PROGRAM_SPLIT_FILL of
   the SMs (:func:`fills_the_sms`)."""
-  if contraction < SPLIT_MIN_CHUNKS * contraction_chunk:
-    return False
+  chunks = contraction / contraction_chunk
   if rows <= SPLIT_CHUNK_ROWS:
-    return True
-  if not mosaic_split:
+    return chunks >= SPLIT_MIN_CHUNKS
+  if chunks < MANY_ROWS_SPLIT_MIN_CHUNKS or not mosaic_split:
     return False
   in_program = mosaic_pick(layout, rows, cols, contraction, out_dtype, num_sms, chunked=True)
   return in_program is not None and not fills_the_sms(

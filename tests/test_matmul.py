@@ -369,9 +369,10 @@ def test_plan_runs_chunks_on_every_kernel():
   """A chunked contraction (the fixed chunk of a narrow result, or one asked
   for) is planned on tiles whose accumulator fits twice, on the Mosaic GPU kernel
   where it takes the sizes; a single problem of at most SPLIT_CHUNK_ROWS rows over
-  at least SPLIT_MIN_CHUNKS whole chunks runs its chunks on programs of their own,
-  on any tile (of the Mosaic GPU kernel where its units fill the SMs), and so
-  does one of more rows whose in-program Mosaic GPU tiles leave the SMs half idle.
+  at least SPLIT_MIN_CHUNKS chunks runs its chunks on programs of their own, on
+  any tile (of the Mosaic GPU kernel where its units fill the SMs), and so does
+  one of more rows over at least MANY_ROWS_SPLIT_MIN_CHUNKS chunks whose
+  in-program Mosaic GPU tiles leave the SMs half idle.
   A chunk that covers the contraction plans as no chunk; dB and chunks that are
   not whole BLOCK_K steps are refused."""
   limit = kernels.CHUNK_ACCUMULATOR_REGISTERS
@@ -383,8 +384,12 @@ def test_plan_runs_chunks_on_every_kernel():
         (202, 1024, 4608, None, Kernel.MOSAIC_GPU, True),
         (257, 1024, 4096, None, Kernel.MOSAIC_GPU, True),  # 5 x 8 tiles in-program
         (1000, 1024, 4096, None, Kernel.MOSAIC_GPU, False),  # 16 x 8 tiles
-        (64, 1024, 4088, None, Kernel.PALLAS_TRITON, False),
-        (256, 1024, 4088, None, Kernel.MOSAIC_GPU, False),
+        (64, 1024, 4088, None, Kernel.PALLAS_TRITON, True),
+        (64, 1024, 3072, None, Kernel.PALLAS_TRITON, True),  # 1.5 chunks of 2048
+        (64, 1024, 3064, None, Kernel.PALLAS_TRITON, False),
+        (256, 1024, 3072, None, Kernel.PALLAS_TRITON, True),
+        (256, 1024, 3064, None, Kernel.MOSAIC_GPU, False),
+        (257, 1024, 4088, None, Kernel.MOSAIC_GPU, False),  # 5 x 8 tiles, under 2 chunks
         (300, 512, 4096, None, Kernel.MOSAIC_GPU, True),
         (4096, 1024, 4096, None, Kernel.MOSAIC_GPU, False),
         # Rows of 1001 elements: the NN rhs's are copied to 16-byte pitches
