@@ -108,11 +108,13 @@ MIN_CHUNK = 1024
 # rows, and over 1.1-1.5 chunks ran 0.75-1.16x as fast as in-program chunks
 # (benchmarks/results/h100.md, forty-first section). On an H200 over 1.5-2 chunks
 # it ran faster at 31 of 31 GEMMs of 1-64 rows on the Triton ladder (a draw and a
-# held-out draw), and at 64 of 72 drawn afterwards of 1-256 rows on either
-# kernel, 1.16x in geometric mean, the slowest 0.85x (sixty-third section).
+# held-out draw), at 64 of 72 drawn afterwards of 1-256 rows and 256-2047 columns
+# on either kernel (1.16x in geometric mean, the slowest 0.85x), and after the
+# rule at 26 of 30 of 16-255 columns (1.19x; sixty-third section).
 # Above SPLIT_CHUNK_ROWS, the split runs only on the Mosaic GPU kernel, over at
 # least MANY_ROWS_SPLIT_MIN_CHUNKS chunks, where the in-program pick's tiles fill
-# less than IN_PROGRAM_SPLIT_FILL of the SMs (splits_chunks).
+# less than IN_PROGRAM_SPLIT_FILL of the SMs (splits_chunks): over 1.5-2 chunks
+# there it ran 0.90x and 0.97x as fast as in-program chunks (two draws of 30).
 SPLIT_CHUNK_ROWS = 256
 SPLIT_MIN_CHUNKS = 1.5
 MANY_ROWS_SPLIT_MIN_CHUNKS = 2
