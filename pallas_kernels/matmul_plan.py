@@ -102,19 +102,15 @@ MIN_CHUNK = 1024
 # SPLIT_MIN_CHUNKS chunks runs its chunks on programs of their own
 # (Plan.split_chunks): a narrow result there is a few row tiles of fewer than 128
 # sixteen-column tiles, so in-program chunks leave most SMs idle, and the split
-# cuts each program's contraction to a chunk, at most two thirds of it. On the
-# H100 the split ran 1.14-2.2x faster than in-program chunks at 38 of 40 such
-# GEMMs of 65-256 rows over two chunks or more, lost at 7 of 8 weights at 514
-# rows, and over 1.1-1.5 chunks ran 0.75-1.16x as fast as in-program chunks
-# (benchmarks/results/h100.md, forty-first section). On an H200 over 1.5-2 chunks
-# it ran faster at 31 of 31 GEMMs of 1-64 rows on the Triton ladder (a draw and a
-# held-out draw), at 64 of 72 drawn afterwards of 1-256 rows and 256-2047 columns
-# on either kernel (1.16x in geometric mean, the slowest 0.85x), and after the
-# rule at 26 of 30 of 16-255 columns (1.19x; sixty-third section).
-# Above SPLIT_CHUNK_ROWS, the split runs only on the Mosaic GPU kernel, over at
-# least MANY_ROWS_SPLIT_MIN_CHUNKS chunks, where the in-program pick's tiles fill
-# less than IN_PROGRAM_SPLIT_FILL of the SMs (splits_chunks): over 1.5-2 chunks
-# there it ran 0.90x and 0.97x as fast as in-program chunks (two draws of 30).
+# cuts each program's contraction to a chunk, at most two thirds of it. Below 1.5
+# chunks the second kernel and the partials cost more than the shorter loop saves.
+# Above SPLIT_CHUNK_ROWS the split runs only on the Mosaic GPU kernel, over at least
+# MANY_ROWS_SPLIT_MIN_CHUNKS chunks, where the in-program pick's tiles fill less
+# than IN_PROGRAM_SPLIT_FILL of the SMs (splits_chunks). Measured in
+# benchmarks/results/h100.md: on the H100 1.14-2.2x faster than in-program chunks
+# at 65-256 rows, losing at 514 (forty-first section); on an H200 from 1.5 chunks
+# faster at 121 of 133 GEMMs of 1-256 rows drawn before and after the rule, below it
+# 0.98x, and above 256 rows over 1.5-2 chunks 0.90x / 0.97x (sixty-third section).
 SPLIT_CHUNK_ROWS = 256
 SPLIT_MIN_CHUNKS = 1.5
 MANY_ROWS_SPLIT_MIN_CHUNKS = 2
@@ -192,22 +188,14 @@ SYNC_LOAD_WIDE_WARPS = 8
 # contractions, 288-512 indices or 104-128 tokens, not explained); padding would
 # have slowed 7 of the 8 it declined. Toward the Mosaic kernel's stream tiles
 # (mosaic_stream_tiles) it pads only above the rows of the Triton ladder's shortest
-# tiles (SMALLEST_LADDER_TILE), where the ladder holds the rows in 64-row tiles. On an
-# H200 (h100.md, sixty-first section), at 23 random such GEMMs of 17-48 rows the copies
-# and the stream tiles ran 1.30x as fast as the unpadded ladder (19 faster, 0.86-0.90x
-# at 3) and 1.37x at 24 drawn after the bound (23 faster, 0.96x at one); at 24 of 4-15
-# rows, where the ladder's 16-row tiles take deep steps, 0.92x (15 slower). Those GEMMs'
-# rows were not whole words (rows_miss_words); at 24 of 17-48 rows whose rows are whole
-# words, the ladder unpadded ran 1.33x as fast as the copies and stream tiles (20 faster;
-# sixty-second section) and 1.37x at 24 drawn after (19 faster), so it keeps them. Toward the
-# Triton ladder (the padded sizes' plan where the stream tiles do not run) it pads an
-# unchunked NT GEMM of those 17-64 rows (one row of 64-row tiles) whose rows are not
-# whole words (rows_miss_words): the contraction is both operands' minor dimension, and
-# the padded rows take the ladder's 64-deep asynchronous steps. On an H200 (same
-# section), padded against unpadded: NT 1.57x / 1.45x at 10 / 10 GEMMs of two draws
-# (8 faster in the second), 1.65x at 30 NT drawn after the rule (28 faster, 0.89x at
-# worst); NN mixed (1.14x / 1.04x at 17 / 14 where the weight's rows miss, 4 / 8
-# slower; 0.97x / 0.70x at 9 / 12 where only the activation's do).
+# tiles (SMALLEST_LADDER_TILE), whose deep steps keep pace with the copy, and only
+# rows that are not whole words (rows_miss_words), which Triton cannot load
+# asynchronously. Toward the Triton ladder it pads an unchunked NT GEMM of 17-64
+# such rows, whose padded rows take the ladder's 64-deep asynchronous steps (NN
+# was mixed). On an H200 (benchmarks/results/h100.md, sixty-first and
+# sixty-second sections): copies and stream tiles 1.30x / 1.37x the unpadded ladder
+# over 17-48 odd-length rows, the unpadded ladder 1.33x / 1.37x the copies over
+# whole words, the NT ladder padded 1.65x at 30 drawn after the rule.
 PITCH_PAD_MIN_MACS = 1 << 28
 # Up to STREAM_ROWS rows a single forward or dA over a contraction of at least
 # STREAM_MIN_CONTRACTION runs on the Mosaic GPU kernel's stream tiles
