@@ -104,13 +104,14 @@ MIN_CHUNK = 1024
 # sixteen-column tiles, so in-program chunks leave most SMs idle, and the split
 # cuts each program's contraction to a chunk, at most two thirds of it. Below 1.5
 # chunks the second kernel and the partials cost more than the shorter loop saves.
-# Above SPLIT_CHUNK_ROWS the split runs only on the Mosaic GPU kernel, over at least
-# MANY_ROWS_SPLIT_MIN_CHUNKS chunks, where the in-program pick's tiles fill less
-# than IN_PROGRAM_SPLIT_FILL of the SMs (splits_chunks). Measured in
-# benchmarks/results/h100.md: on the H100 1.14-2.2x faster than in-program chunks
-# at 65-256 rows, losing at 514 (forty-first section); on an H200 from 1.5 chunks
-# faster at 121 of 133 GEMMs of 1-256 rows drawn before and after the rule, below it
-# 0.98x, and above 256 rows over 1.5-2 chunks 0.90x / 0.97x (sixty-third section).
+# Above SPLIT_CHUNK_ROWS the split runs only on the Mosaic GPU kernel, over at
+# least MANY_ROWS_SPLIT_MIN_CHUNKS chunks, and above TALL_SPLIT_ROWS where the
+# in-program pick's tiles fill less than IN_PROGRAM_SPLIT_FILL of the SMs
+# (splits_chunks). Measured in benchmarks/results/h100.md: on the H100 1.14-2.2x
+# faster than in-program chunks at 65-256 rows, losing at 514 (forty-first
+# section); on an H200 from 1.5 chunks faster at 121 of 133 GEMMs of 1-256 rows
+# drawn before and after the rule, below it 0.98x, and above 256 rows over 1.5-2
+# chunks 0.90x / 0.97x (sixty-third section).
 SPLIT_CHUNK_ROWS = 256
 SPLIT_MIN_CHUNKS = 1.5
 MANY_ROWS_SPLIT_MIN_CHUNKS = 2
@@ -124,15 +125,16 @@ MANY_ROWS_SPLIT_MIN_CHUNKS = 2
 # 10 it takes (1.52x in geometric mean), and 0.92-1.28x at the 8 it leaves,
 # whose units filled 15-36% of the SMs.
 MOSAIC_SPLIT_FILL = 0.5
-# Above SPLIT_CHUNK_ROWS rows a chunked GEMM splits where its in-program pick's
-# tiles fill less than IN_PROGRAM_SPLIT_FILL of the CTA slots. On an H200, over 22
-# random such GEMMs of 257-2048 rows, the split won at every fill up to 0.83
-# (1.02-2.74x) and lost at every fill from 0.93 (benchmarks/results/h100.md,
-# fifty-second section); on 40 drawn afterwards it ran 1.10x as fast as in-program
-# chunks at the 7 of fill 0.5-0.85 (6 faster, 1 slower: 0.87x at fill 0.83), and
-# 1.17-1.45x at a Qwen2.5-1.5B down projection and LM head's dA of 384-512 rows
-# in that band (fifty-third section).
-IN_PROGRAM_SPLIT_FILL = 0.85
+# Above SPLIT_CHUNK_ROWS rows a chunked GEMM splits at up to TALL_SPLIT_ROWS rows,
+# and above them where its in-program pick's tiles fill less than
+# IN_PROGRAM_SPLIT_FILL of the CTA slots. On an H200, against in-program 64 x 64
+# tiles of eight stages (random GEMMs of 257-2048 rows over 2-40 chunks), the split
+# won up to 512 rows at every fill (1.09x from half to 85% full, 33 of 42 faster;
+# 1.04x from 0.91 full, 55 of 84, 1.03x at the 60 drawn after the first 24) and
+# lost above them from 0.55 full (0.91x, 27 of 86 faster; 0.93x at 60 drawn after
+# the rule) (benchmarks/results/h100.md, sixty-fourth section).
+TALL_SPLIT_ROWS = 512
+IN_PROGRAM_SPLIT_FILL = 0.55
 # Above hopper_matmul.LADDER_ROWS rows the forward and dA stay on the Triton ladder
 # where its tiles stream the weight once and the Mosaic kernel's pick reads it
 # twice, over a contraction of at least LADDER_MIN_CONTRACTION, on waves at least
@@ -617,14 +619,16 @@ def splits_chunks(layout: Layout, rows: int, cols: int, contraction: int,
   programs of their own: up to SPLIT_CHUNK_ROWS rows over at least
   SPLIT_MIN_CHUNKS chunks, on any kernel; above, over at least
   MANY_ROWS_SPLIT_MIN_CHUNKS chunks, only on the Mosaic GPU kernel
-  (``mosaic_split``, :func:`mosaic_split_tiles`'s) and where the tiles of its
-  in-program pick (:func:`mosaic_pick`) fill less than IN_PROGRAM_SPLIT_FILL of
-  the SMs (:func:`fills_the_sms`)."""
+  (``mosaic_split``, :func:`mosaic_split_tiles`'s), and above TALL_SPLIT_ROWS
+  rows only where the tiles of its in-program pick (:func:`mosaic_pick`) fill
+  less than IN_PROGRAM_SPLIT_FILL of the SMs (:func:`fills_the_sms`)."""
   chunks = contraction / contraction_chunk
   if rows <= SPLIT_CHUNK_ROWS:
     return chunks >= SPLIT_MIN_CHUNKS
   if chunks < MANY_ROWS_SPLIT_MIN_CHUNKS or not mosaic_split:
     return False
+  if rows <= TALL_SPLIT_ROWS:
+    return True
   in_program = mosaic_pick(layout, rows, cols, contraction, out_dtype, num_sms, chunked=True)
   return in_program is not None and not fills_the_sms(
       in_program, in_program.tile_count(rows, cols), num_sms, fill=IN_PROGRAM_SPLIT_FILL)

@@ -438,9 +438,10 @@ def test_plan_splits_on_the_mosaic_kernel_where_its_units_fill_the_sms():
   units of its pick (a chunk of a tile each, tiles that are not transposed, of
   any accumulator) fill at least MOSAIC_SPLIT_FILL of the H100's 132 SMs, else
   on the Triton ladder, whose tiles go down to 16 columns; above
-  SPLIT_CHUNK_ROWS rows only where the in-program tiles fill less than
+  TALL_SPLIT_ROWS rows only where the in-program tiles fill less than
   IN_PROGRAM_SPLIT_FILL of them: shapes from the H200 draws
-  (benchmarks/results/h100.md, forty-fourth and fifty-third sections)."""
+  (benchmarks/results/h100.md, forty-fourth, fifty-third and sixty-fourth
+  sections)."""
   for rows, cols, contraction, want in (
       (202, 1024, 4608, hopper.HopperTiles(64, 64, 8, throughput=0.75)),  # 96 units
       (208, 1664, 9952, hopper.HopperTiles(128, 64, 6)),  # 2 x 13 tiles x 3 chunks
@@ -463,11 +464,15 @@ def test_plan_splits_on_the_mosaic_kernel_where_its_units_fill_the_sms():
   for options in (dict(dtype=jnp.dtype(jnp.float32)), dict(device=matmul_plan.Device("cpu"))):
     chosen = _plan(Layout.NN, 202, 1024, 4608, **options)
     assert chosen.split_chunks and chosen.kernel is Kernel.PALLAS_TRITON, (options, chosen)
-  # Above SPLIT_CHUNK_ROWS: where the in-program pick's tiles fill less than
-  # IN_PROGRAM_SPLIT_FILL of the SMs.
+  # Above SPLIT_CHUNK_ROWS: up to TALL_SPLIT_ROWS at any fill, above them where
+  # the in-program pick's tiles fill less than IN_PROGRAM_SPLIT_FILL of the SMs.
   for rows, cols, contraction, split in ((466, 256, 3872, True),  # 8 x 2 tiles in-program
                                          (512, 1536, 151936, True),  # 8 x 12 tiles of 132: 0.73
-                                         (968, 720, 10976, True),  # 16 x 6 tiles of 120: 0.80
+                                         (509, 1856, 22272, True),  # 8 x 15 of 132: 0.91
+                                         (513, 1536, 151936, False),  # 9 x 12 of 132: 0.82
+                                         (513, 1024, 8192, True),  # 9 x 8 of 132: 0.545
+                                         (700, 896, 8192, False),  # 11 x 7 of 132: 0.583
+                                         (968, 720, 10976, False),  # 16 x 6 tiles of 120: 0.80
                                          (640, 1536, 18944, False),  # 10 x 12 tiles of 132: 0.91
                                          (948, 1152, 4736, False),  # T72 x 128: 14 x 9
                                          (969, 1024, 15360, False)):  # 16 x 8
