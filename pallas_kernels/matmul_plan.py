@@ -105,13 +105,13 @@ MIN_CHUNK = 1024
 # cuts each program's contraction to a chunk, at most two thirds of it. Below 1.5
 # chunks the second kernel and the partials cost more than the shorter loop saves.
 # Above SPLIT_CHUNK_ROWS the split runs only on the Mosaic GPU kernel, over at
-# least MANY_ROWS_SPLIT_MIN_CHUNKS chunks, and above TALL_SPLIT_ROWS where the
-# in-program pick's tiles fill less than IN_PROGRAM_SPLIT_FILL of the SMs
-# (splits_chunks). Measured in benchmarks/results/h100.md: on the H100 1.14-2.2x
-# faster than in-program chunks at 65-256 rows, losing at 514 (forty-first
-# section); on an H200 from 1.5 chunks faster at 121 of 133 GEMMs of 1-256 rows
-# drawn before and after the rule, below it 0.98x, and above 256 rows over 1.5-2
-# chunks 0.90x / 0.97x (sixty-third section).
+# least MANY_ROWS_SPLIT_MIN_CHUNKS chunks, by its rows and how much of the SMs the
+# in-program pick's tiles fill (splits_chunks). Measured in
+# benchmarks/results/h100.md: on the H100 1.14-2.2x faster than in-program chunks
+# at 65-256 rows, losing at 514 (forty-first section); on an H200 from 1.5 chunks
+# faster at 121 of 133 GEMMs of 1-256 rows drawn before and after the rule, below
+# it 0.98x, and above 256 rows over 1.5-2 chunks 0.90x / 0.97x (sixty-third
+# section).
 SPLIT_CHUNK_ROWS = 256
 SPLIT_MIN_CHUNKS = 1.5
 MANY_ROWS_SPLIT_MIN_CHUNKS = 2
@@ -126,14 +126,18 @@ MANY_ROWS_SPLIT_MIN_CHUNKS = 2
 # whose units filled 15-36% of the SMs.
 MOSAIC_SPLIT_FILL = 0.5
 # Above SPLIT_CHUNK_ROWS rows a chunked GEMM splits at up to TALL_SPLIT_ROWS rows,
-# and above them where its in-program pick's tiles fill less than
-# IN_PROGRAM_SPLIT_FILL of the CTA slots. On an H200, against in-program 64 x 64
-# tiles of eight stages (random GEMMs of 257-2048 rows over 2-40 chunks), the split
-# won up to 512 rows at every fill (1.09x from half to 85% full, 33 of 42 faster;
-# 1.04x from 0.91 full, 55 of 84, 1.03x at the 60 drawn after the first 24) and
-# lost above them from 0.55 full (0.91x, 27 of 86 faster; 0.93x at 60 drawn after
-# the rule) (benchmarks/results/h100.md, sixty-fourth section).
+# but not where its in-program pick's tiles fill at least FULL_WAVE_FILL of the CTA
+# slots over fewer than FULL_WAVE_SPLIT_MIN_CHUNKS chunks; above TALL_SPLIT_ROWS
+# where those tiles fill less than IN_PROGRAM_SPLIT_FILL. On an H200, against
+# in-program 64 x 64 tiles of eight stages (random GEMMs of 257-2048 rows over 2-40
+# chunks), the split won up to 512 rows from half to 85% full (1.09x, 33 of 42
+# faster) and from 0.91 full over 5 chunks or more (1.09x, 47 of 58), lost there
+# under 5 chunks (0.93x, 8 of 26 faster; 0.91x at 30 drawn after), and lost above
+# 512 rows from 0.55 full (0.91x, 27 of 86 faster; 0.93x at 60 drawn after the
+# rule) (benchmarks/results/h100.md, sixty-fourth section).
 TALL_SPLIT_ROWS = 512
+FULL_WAVE_FILL = 0.85
+FULL_WAVE_SPLIT_MIN_CHUNKS = 5
 IN_PROGRAM_SPLIT_FILL = 0.55
 # Above hopper_matmul.LADDER_ROWS rows the forward and dA stay on the Triton ladder
 # where its tiles stream the weight once and the Mosaic kernel's pick reads it
@@ -619,19 +623,24 @@ def splits_chunks(layout: Layout, rows: int, cols: int, contraction: int,
   programs of their own: up to SPLIT_CHUNK_ROWS rows over at least
   SPLIT_MIN_CHUNKS chunks, on any kernel; above, over at least
   MANY_ROWS_SPLIT_MIN_CHUNKS chunks, only on the Mosaic GPU kernel
-  (``mosaic_split``, :func:`mosaic_split_tiles`'s), and above TALL_SPLIT_ROWS
-  rows only where the tiles of its in-program pick (:func:`mosaic_pick`) fill
-  less than IN_PROGRAM_SPLIT_FILL of the SMs (:func:`fills_the_sms`)."""
+  (``mosaic_split``, :func:`mosaic_split_tiles`'s); up to TALL_SPLIT_ROWS rows
+  unless the tiles of its in-program pick (:func:`mosaic_pick`) fill at least
+  FULL_WAVE_FILL of the SMs over fewer than FULL_WAVE_SPLIT_MIN_CHUNKS chunks,
+  above them only where those tiles fill less than IN_PROGRAM_SPLIT_FILL of the
+  SMs (:func:`fills_the_sms`)."""
   chunks = contraction / contraction_chunk
   if rows <= SPLIT_CHUNK_ROWS:
     return chunks >= SPLIT_MIN_CHUNKS
   if chunks < MANY_ROWS_SPLIT_MIN_CHUNKS or not mosaic_split:
     return False
-  if rows <= TALL_SPLIT_ROWS:
-    return True
   in_program = mosaic_pick(layout, rows, cols, contraction, out_dtype, num_sms, chunked=True)
-  return in_program is not None and not fills_the_sms(
-      in_program, in_program.tile_count(rows, cols), num_sms, fill=IN_PROGRAM_SPLIT_FILL)
+  if in_program is None:
+    return False
+  ctas = in_program.tile_count(rows, cols)
+  if rows <= TALL_SPLIT_ROWS:
+    return (chunks >= FULL_WAVE_SPLIT_MIN_CHUNKS
+            or not fills_the_sms(in_program, ctas, num_sms, fill=FULL_WAVE_FILL))
+  return not fills_the_sms(in_program, ctas, num_sms, fill=IN_PROGRAM_SPLIT_FILL)
 
 
 def fills_the_sms(tiles: mosaic.HopperTiles, ctas: int, num_sms: int, fill: float) -> bool:

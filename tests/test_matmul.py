@@ -437,9 +437,10 @@ def test_plan_splits_on_the_mosaic_kernel_where_its_units_fill_the_sms():
   """A split runs on the Mosaic GPU kernel where it takes the sizes and the
   units of its pick (a chunk of a tile each, tiles that are not transposed, of
   any accumulator) fill at least MOSAIC_SPLIT_FILL of the H100's 132 SMs, else
-  on the Triton ladder, whose tiles go down to 16 columns; above
-  TALL_SPLIT_ROWS rows only where the in-program tiles fill less than
-  IN_PROGRAM_SPLIT_FILL of them: shapes from the H200 draws
+  on the Triton ladder, whose tiles go down to 16 columns; up to
+  TALL_SPLIT_ROWS rows not where the in-program tiles fill FULL_WAVE_FILL of
+  them over fewer than FULL_WAVE_SPLIT_MIN_CHUNKS chunks, above only where they
+  fill less than IN_PROGRAM_SPLIT_FILL: shapes from the H200 draws
   (benchmarks/results/h100.md, forty-fourth, fifty-third and sixty-fourth
   sections)."""
   for rows, cols, contraction, want in (
@@ -464,11 +465,15 @@ def test_plan_splits_on_the_mosaic_kernel_where_its_units_fill_the_sms():
   for options in (dict(dtype=jnp.dtype(jnp.float32)), dict(device=matmul_plan.Device("cpu"))):
     chosen = _plan(Layout.NN, 202, 1024, 4608, **options)
     assert chosen.split_chunks and chosen.kernel is Kernel.PALLAS_TRITON, (options, chosen)
-  # Above SPLIT_CHUNK_ROWS: up to TALL_SPLIT_ROWS at any fill, above them where
-  # the in-program pick's tiles fill less than IN_PROGRAM_SPLIT_FILL of the SMs.
+  # Above SPLIT_CHUNK_ROWS: up to TALL_SPLIT_ROWS unless the in-program pick's
+  # tiles fill FULL_WAVE_FILL of the SMs over fewer than FULL_WAVE_SPLIT_MIN_CHUNKS
+  # chunks, above them where those tiles fill less than IN_PROGRAM_SPLIT_FILL.
   for rows, cols, contraction, split in ((466, 256, 3872, True),  # 8 x 2 tiles in-program
                                          (512, 1536, 151936, True),  # 8 x 12 tiles of 132: 0.73
-                                         (509, 1856, 22272, True),  # 8 x 15 of 132: 0.91
+                                         (509, 1856, 19200, True),  # 8 x 15 of 132: 0.91, 5 chunks
+                                         (509, 1856, 19192, False),  # 4.998 chunks of 3840
+                                         (464, 1856, 8064, False),  # 2.1 chunks
+                                         (429, 1632, 11264, True),  # 0.79, 3.4 chunks
                                          (513, 1536, 151936, False),  # 9 x 12 of 132: 0.82
                                          (513, 1024, 8192, True),  # 9 x 8 of 132: 0.545
                                          (700, 896, 8192, False),  # 11 x 7 of 132: 0.583
