@@ -437,12 +437,12 @@ def test_plan_splits_on_the_mosaic_kernel_where_its_units_fill_the_sms():
   """A split runs on the Mosaic GPU kernel where it takes the sizes and the
   units of its pick (a chunk of a tile each, tiles that are not transposed, of
   any accumulator) fill at least MOSAIC_SPLIT_FILL of the H100's 132 SMs, else
-  on the Triton ladder, whose tiles go down to 16 columns; up to
-  TALL_SPLIT_ROWS rows not where the in-program tiles fill FULL_WAVE_FILL of
-  them over fewer than FULL_WAVE_SPLIT_MIN_CHUNKS chunks, above only where they
-  fill less than IN_PROGRAM_SPLIT_FILL: shapes from the H200 draws
-  (benchmarks/results/h100.md, forty-fourth, fifty-third and sixty-fourth
-  sections)."""
+  on the Triton ladder, whose tiles go down to 16 columns. Above
+  SPLIT_CHUNK_ROWS rows, up to TALL_SPLIT_ROWS unless the in-program tiles fill
+  FULL_WAVE_FILL of them over fewer than FULL_WAVE_SPLIT_MIN_CHUNKS chunks, above
+  TALL_SPLIT_ROWS only where they fill less than IN_PROGRAM_SPLIT_FILL: shapes
+  from the H200 draws (benchmarks/results/h100.md, forty-fourth, fifty-third and
+  sixty-fourth sections)."""
   for rows, cols, contraction, want in (
       (202, 1024, 4608, hopper.HopperTiles(64, 64, 8, throughput=0.75)),  # 96 units
       (208, 1664, 9952, hopper.HopperTiles(128, 64, 6)),  # 2 x 13 tiles x 3 chunks
