@@ -129,12 +129,12 @@ MOSAIC_SPLIT_FILL = 0.5
 # but not where its in-program pick's tiles fill at least FULL_WAVE_FILL of the CTA
 # slots over fewer than FULL_WAVE_SPLIT_MIN_CHUNKS chunks; above TALL_SPLIT_ROWS
 # where those tiles fill less than IN_PROGRAM_SPLIT_FILL. On an H200, against
-# in-program tiles mostly of 64 x 64 at eight stages (random GEMMs of 257-2048 rows
-# over 2-40 chunks), the split won up to 512 rows from half to 85% full (1.09x, 33
-# of 42 faster) and from 0.91 full over 5 chunks or more (1.09x, 47 of 58), lost
-# there under 5 chunks (0.93x, 8 of 26 faster; 0.91x at 30 drawn after), and lost
-# above 512 rows from 0.55 full (0.91x, 27 of 86 faster; 0.93x at 60 drawn after
-# the rule) (benchmarks/results/h100.md, sixty-fourth section).
+# in-program tiles mostly of 64 x 128 (two consumers) at eight stages (random GEMMs
+# of 257-2048 rows over 2-40 chunks), the split won up to 512 rows from half to 85%
+# full (1.09x, 33 of 42 faster) and from 0.91 full over 5 chunks or more (1.09x, 47
+# of 58), lost there under 5 chunks (0.93x, 8 of 26 faster; 0.91x at 30 drawn
+# after), and lost above 512 rows from 0.55 full (0.91x, 27 of 86 faster; 0.93x at
+# 60 drawn after the rule) (benchmarks/results/h100.md, sixty-fourth section).
 TALL_SPLIT_ROWS = 512
 FULL_WAVE_FILL = 0.85
 FULL_WAVE_SPLIT_MIN_CHUNKS = 5
