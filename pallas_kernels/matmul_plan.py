@@ -633,14 +633,12 @@ def splits_chunks(layout: Layout, rows: int, cols: int, contraction: int,
     return chunks >= SPLIT_MIN_CHUNKS
   if chunks < MANY_ROWS_SPLIT_MIN_CHUNKS or not mosaic_split:
     return False
+  if rows <= TALL_SPLIT_ROWS and chunks >= FULL_WAVE_SPLIT_MIN_CHUNKS:
+    return True
   in_program = mosaic_pick(layout, rows, cols, contraction, out_dtype, num_sms, chunked=True)
-  if in_program is None:
-    return False
-  ctas = in_program.tile_count(rows, cols)
-  if rows <= TALL_SPLIT_ROWS:
-    return (chunks >= FULL_WAVE_SPLIT_MIN_CHUNKS
-            or not fills_the_sms(in_program, ctas, num_sms, fill=FULL_WAVE_FILL))
-  return not fills_the_sms(in_program, ctas, num_sms, fill=IN_PROGRAM_SPLIT_FILL)
+  fill = FULL_WAVE_FILL if rows <= TALL_SPLIT_ROWS else IN_PROGRAM_SPLIT_FILL
+  return in_program is not None and not fills_the_sms(
+      in_program, in_program.tile_count(rows, cols), num_sms, fill=fill)
 
 
 def fills_the_sms(tiles: mosaic.HopperTiles, ctas: int, num_sms: int, fill: float) -> bool:
