@@ -11,7 +11,8 @@ choose by any size, the token count included. It chooses speed, never bits:
   persistent grid. An H100, 16-bit operands, one problem (no groups), more than
   ``hopper_matmul.LADDER_ROWS`` rows for the forward and dA (but where the
   plan keeps the ladder: :func:`ladder_keeps`; up to ``STREAM_ROWS`` rows where it
-  streams the weight through one-consumer tiles: :func:`mosaic_stream_tiles`), a result no
+  streams the weight through one-consumer tiles: :func:`mosaic_stream_tiles`, and
+  over shares of up to ``ROW_STREAM_MAX_ROWS`` rows: :func:`row_stream_tiles`), a result no
   smaller than a program tile, and 16-byte row pitches (``hopper_matmul.takes``:
   the minor dimension of each operand and of the result a multiple of 8). It
   copies no operand, whatever the token count; where an operand's rows miss 16
@@ -232,6 +233,20 @@ STREAM_MIN_CONTRACTION = 1024
 SMALLEST_LADDER_TILE = min((t.block_m, t.block_n) for t in pallas_triton.GPU_MATMUL_LADDER)
 SMALLEST_TILE_STREAM_MIN_CONTRACTION = {Layout.NN: 1536, Layout.NT: 2560}
 HALF_WAVE_NT_STREAM_MIN_CONTRACTION = 1664
+# Above LADDER_ROWS rows, up to ROW_STREAM_MAX_ROWS (the rows one stream tile holds:
+# wgmma's N), a single forward or dA whose Mosaic pick's tiles fill less than
+# ROW_STREAM_FILL of the CTA slots runs on stream tiles over a share of the rows
+# (row_stream_tiles): one consumer warpgroup and 64 weight columns a CTA, so that a
+# narrow result spreads over as many CTAs as one wave holds. The pick's 64 x 128
+# tiles leave most SMs idle under results of about 4,000 columns, each streaming
+# its long column of the weight alone. On an H200 (benchmarks/results/h100.md,
+# sixty-fifth section), at 100 random GEMMs of 65-256 rows that the pick ran in
+# program, the row shares ran 1.23x as fast where the pick filled less than half
+# the slots (40 GEMMs, 39 faster), 1.02x from half to three quarters (22, 15
+# faster) and 0.81x above (38, 6 faster); at 75 drawn after the rule 1.19x (68
+# faster, none below 0.95x), at the 54 grid plans it moves 1.10x (44 faster).
+ROW_STREAM_MAX_ROWS = 256
+ROW_STREAM_FILL = 0.5
 
 
 def fixed_contraction_chunk(layout: Layout, cols: int, contraction: int) -> int | None:
@@ -374,7 +389,8 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   None where it is not taken: at least ``PITCH_PAD_MIN_MACS`` multiply-adds, and
   the plan of the padded sizes (:func:`pitch_padded_sizes`, the same
   ``contraction_chunk``) is the Mosaic GPU kernel's (so a Hopper GPU and 16-bit
-  operands), its stream tiles (:func:`mosaic_stream_tiles`) only above the rows
+  operands), its stream tiles of at most STREAM_ROWS rows
+  (:func:`mosaic_stream_tiles`) only above the rows
   of the Triton ladder's shortest tiles (``SMALLEST_LADDER_TILE``: up to those
   rows the ladder streams the unpadded weight about as fast as the copy costs)
   and where operand rows are not whole words (:func:`rows_miss_words`: Triton
@@ -392,7 +408,8 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   sync_loads_above_shortest_tiles = (rows > SMALLEST_LADDER_TILE[0] and rows_miss_words(
       layout, rows, cols, contraction, dtype))
   if padded.kernel is Kernel.MOSAIC_GPU:
-    takes = sync_loads_above_shortest_tiles or not padded.tiles.streams
+    takes = (sync_loads_above_shortest_tiles or not padded.tiles.streams
+             or rows > STREAM_ROWS)
   else:
     takes = (layout is Layout.NT and contraction_chunk is None and device.is_hopper
              and sync_loads_above_shortest_tiles
@@ -550,7 +567,9 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
   fits the result (``HopperTiles.fits``); the forward and dA above LADDER_ROWS
   rows but where the plan keeps the ``ladder``'s tiles (:func:`ladder_keeps`);
   ``chunked``: see :func:`triton_tiles`; the forward and dA of at most
-  LADDER_ROWS rows only on :func:`mosaic_stream_tiles`' tiles."""
+  LADDER_ROWS rows only on :func:`mosaic_stream_tiles`' tiles, and up to
+  ROW_STREAM_MAX_ROWS rows on :func:`row_stream_tiles`' where the pick's tiles fill
+  less than ROW_STREAM_FILL of the SMs (:func:`fills_the_sms`)."""
   if groups != 1 or not _mosaic_takes(layout, rows, cols, contraction, dtype, device):
     return None
   rows_are_tokens = layout is not Layout.TN  # the forward and dA
@@ -561,8 +580,30 @@ def _mosaic_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,
   if not tiles or (rows_are_tokens and ladder_keeps(ladder, tiles, rows, cols, contraction,
                                                     num_sms)):
     return None
+  if (rows_are_tokens and rows <= ROW_STREAM_MAX_ROWS
+      and mosaic.transposed_takes(layout, out_dtype)
+      and not fills_the_sms(tiles, tiles.tile_count(rows, cols), num_sms, fill=ROW_STREAM_FILL)):
+    shares = row_stream_tiles(rows, cols, num_sms, chunked=chunked)
+    if shares:
+      return pallas_triton.fit_stages(shares, dtype, out_dtype)
   return pallas_triton.fit_stages(mosaic_strips(tiles, rows, cols, contraction),
                                   dtype, out_dtype)
+
+
+def row_stream_tiles(rows: int, cols: int, num_sms: int, *, chunked: bool = False
+                     ) -> mosaic.HopperTiles | None:
+  """The stream tiles (``hopper_matmul.stream_tiles``) of a share of ``rows``
+  (rows / s rounded up to 8, s = 1, 2, ...) that cover a [rows, cols] result in
+  the most CTAs one wave of ``num_sms`` SMs holds; ``chunked``: only tiles whose
+  accumulator fits twice (``holds_two_accumulators``). None where no such tile fits
+  in one wave."""
+  best, most = None, 0
+  for share in range(1, cdiv(rows, 8) + 1):
+    tiles = mosaic.stream_tiles(cdiv(rows, share))
+    ctas = tiles.tile_count(rows, cols)
+    if most < ctas <= num_sms and (not chunked or pallas_triton.holds_two_accumulators(tiles)):
+      best, most = tiles, ctas
+  return best
 
 
 def mosaic_stream_tiles(layout: Layout, rows: int, cols: int, contraction: int, dtype,

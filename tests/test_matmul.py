@@ -684,7 +684,7 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
   assert tiles(1, 4096, 14336).num_stages == hopper.STREAM_STAGES
   assert tiles(48, 4096, 14336).num_stages < hopper.STREAM_STAGES  # shared memory
   assert tiles(49, 4096, 14336) is tiles(64, 4096, 14336) is None  # the ladder's rows
-  assert tiles(65, 4096, 14336).consumers == 2
+  assert tiles(65, 4224, 14336).consumers == 2  # 66 CTAs (fewer: row_stream_tiles)
   assert tiles(16, 4096, 1024).consumers == 1                   # STREAM_MIN_CONTRACTION
   assert tiles(16, 4096, 1016) is None
   # The ladder's 16 x 16 tile: 16 rows of at most 132 sixteen-column programs.
@@ -1027,6 +1027,44 @@ def test_mosaic_kernel_lowers_for_cuda(monkeypatch):
     jax.jit(gemm).trace(sd(lhs, bf16), sd(rhs, bf16)).lower(lowering_platforms=("cuda",))
 
 
+def test_plan_shares_rows_among_stream_tiles_where_the_pick_leaves_sms_idle():
+  """Above LADDER_ROWS rows, up to ROW_STREAM_MAX_ROWS, the forward and dA whose
+  Mosaic GPU pick fills less than ROW_STREAM_FILL of the SMs' CTA slots (on an
+  H100, fewer than 66 of 132) run on stream tiles over a share of the rows: the
+  most CTAs one wave holds (matmul_plan.row_stream_tiles), in a chunked contraction only tiles whose
+  accumulator fits twice; never dB, a float32 result or groups. GEMMs of the
+  H200 draws (benchmarks/results/h100.md, sixty-fifth section)."""
+  def tiles(rows, cols, contraction, layout=Layout.NN, **options):
+    return _plan(layout, rows, cols, contraction, **options).tiles
+
+  def shared(rows, share):
+    return kernels.fit_stages(hopper.stream_tiles(-(-rows // share)), bf16, bf16)
+
+  for layout in (Layout.NN, Layout.NT):
+    # The pick's 64 x 128 tiles: 2 x 32 = 64 CTAs (0.48 of 132): two shares of 56 rows.
+    assert tiles(100, 4096, 4096, layout) == shared(100, 2)
+    assert shared(100, 2).tile_count(100, 4096) == 128
+    assert tiles(100, 4224, 4096, layout).consumers == 2         # 66 CTAs: half of 132
+    # On 130 SMs 64 CTAs fill 0.49, 66 fill 0.51.
+    gpu130 = matmul_plan.Device("gpu", "9.0", 130)
+    assert tiles(100, 4096, 4096, layout, device=gpu130) == shared(100, 2)
+    assert tiles(100, 4224, 4096, layout, device=gpu130).consumers == 2
+    # Up to ROW_STREAM_MAX_ROWS: 256 rows of 4 x 12 = 48 CTAs in five shares of 56.
+    assert tiles(256, 1536, 1024, layout) == shared(256, 5)
+    assert tiles(257, 1536, 1024, layout).consumers == 2
+    # A chunked contraction summed in each program (1.17 chunks of 3840): 30 CTAs
+    # of the pick, four shares of 32 rows in 120.
+    chunked = _plan(layout, 127, 1872, 4480)
+    assert (chunked.tiles, chunked.contraction_chunk, chunked.split_chunks) == (
+        shared(127, 4), 3840, False)
+  assert matmul_plan.row_stream_tiles(200, 4352, 132) == hopper.stream_tiles(200)   # 68 CTAs
+  assert matmul_plan.row_stream_tiles(200, 4352, 132, chunked=True) is None  # 100 registers
+  assert matmul_plan.row_stream_tiles(64, 132 * 64 + 8, 132) is None         # 133 CTAs
+  assert not tiles(100, 4096, 4096, Layout.TN).transposed
+  assert not tiles(100, 4096, 4096, out_dtype=jnp.float32).transposed
+  assert _plan(Layout.NN, 100, 4096, 4096, groups=2).kernel is Kernel.PALLAS_TRITON
+
+
 def _ladder_tile(tiles):
   """The GPU_MATMUL_LADDER entry of ``tiles``' block shape."""
   return next(t for t in kernels.GPU_MATMUL_LADDER
@@ -1037,8 +1075,8 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
   """A single 16-bit GEMM on a Hopper GPU whose lhs or rhs rows miss 16 bytes
   runs on operands padded to 16-byte pitches exactly where it does at least
   PITCH_PAD_MIN_MACS multiply-adds and the plan of the padded sizes is the Mosaic
-  GPU kernel's, its stream tiles (hopper_matmul.stream_tiles) only above 16 rows
-  of odd length, or the Triton ladder's for an unchunked NT GEMM of 17-64 rows of
+  GPU kernel's, its stream tiles of up to STREAM_ROWS rows (hopper_matmul.stream_tiles)
+  only above 16 rows of odd length, or the Triton ladder's for an unchunked NT GEMM of 17-64 rows of
   odd length: that plan, with the unpadded GEMM's chunks (which padding does not
   move). A result whose rows alone miss, groups, float32 operands and other GPUs
   are never padded."""
@@ -1055,7 +1093,8 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
           padded = _plan(layout, *sizes, dtype=dtype, contraction_chunk=chunk or sizes[2])
           odd_rows = any(minor % 2 for minor in layout.minor_dims(rows, cols, contraction))
           mosaic_pays = (padded.kernel is Kernel.MOSAIC_GPU
-                         and (rows > 16 and odd_rows or not padded.tiles.streams))
+                         and (rows > 16 and odd_rows or not padded.tiles.streams
+                              or rows > matmul_plan.STREAM_ROWS))
           ladder_pays = (padded.kernel is Kernel.PALLAS_TRITON and layout is Layout.NT
                          and 16 < rows <= 64 and chunk is None and odd_rows)
           pays = (groups == 1 and dtype == bf16 and (mosaic_pays or ladder_pays)
@@ -1072,7 +1111,8 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
               padded_streams.add(rows)
           assert not _plan(layout, rows, cols, contraction, dtype=dtype, groups=groups,
                            device=ampere).pitch_padded
-  assert padded_somewhere == set(Layout) and padded_streams == {17, 48}
+  # 100 rows: the padded sizes' stream tiles over a share of the rows (row_stream_tiles).
+  assert padded_somewhere == set(Layout) and padded_streams == {17, 48, 100}
   assert padded_ladders == {64}
   # Past one wave of stream tiles (132 x 64 columns), NT of 17 rows pads for the ladder too;
   # NN, 16 rows and a chunked contraction (chunks of 2048 here) do not.
@@ -1143,7 +1183,8 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
   where it is installed, and, where the Mosaic GPU kernel serves the sizes, each
   of its candidate tiles (``matmul_plan.mosaic_tile_candidates``), for a chunked
   contraction with the chunks split too (up to STREAM_ROWS rows its stream tiles:
-  ``hopper_matmul.stream_tiles``); where the plan pads the operands to
+  ``hopper_matmul.stream_tiles``; above, with those, the plan's stream tiles over
+  a share of the rows: ``matmul_plan.row_stream_tiles``); where the plan pads the operands to
   16-byte pitches (``matmul_plan.pitch_padded_plan``), the padded sizes' plans of
   the Mosaic GPU kernel and of the padded plan's kernel, padded. ``device``: the
   plan's (default: the current one)."""
@@ -1166,9 +1207,12 @@ def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, d
     plans += [dataclasses.replace(p, pitch_padded=True)
               for p in _every_plan(layout, *sizes, dtype, device=device)
               if p.kernel in (Kernel.MOSAIC_GPU, chosen.kernel)]
-  elif chosen.kernel is Kernel.MOSAIC_GPU and chosen.tiles.streams:
+  elif (chosen.kernel is Kernel.MOSAIC_GPU and chosen.tiles.streams
+        and rows <= matmul_plan.STREAM_ROWS):
     plans.append(chosen)  # the stream tiles, the one Mosaic GPU tile of these rows
   elif chosen.kernel is Kernel.MOSAIC_GPU:
+    if chosen.tiles.streams:
+      plans.append(chosen)  # a share of the rows (matmul_plan.row_stream_tiles)
     lhs_aligned, rhs_aligned = hopper.lines_aligned(layout, rows, cols, contraction)
     candidates = matmul_plan.mosaic_tile_candidates(
         rhs_aligned, transposed=hopper.transposed_takes(layout, dtype), lhs_aligned=lhs_aligned,
