@@ -9,17 +9,16 @@ choose by any size, the token count included. It chooses speed, never bits:
 
 * ``Kernel.MOSAIC_GPU`` (:mod:`pallas_kernels.hopper_matmul`): TMA + wgmma on a
   persistent grid. An H100, 16-bit operands, one problem (no groups), more than
-  ``hopper_matmul.LADDER_ROWS`` rows for the forward and dA (but where the
-  plan keeps the ladder: :func:`ladder_keeps`; up to ``STREAM_ROWS`` rows where it
+  ``hopper_matmul.LADDER_ROWS`` rows for the forward and dA (but where the plan
+  keeps the ladder: :func:`ladder_keeps`; up to ``STREAM_ROWS`` rows where it
   streams the weight through one-consumer tiles: :func:`mosaic_stream_tiles`, and
-  over shares of up to ``ROW_STREAM_MAX_ROWS`` rows: :func:`row_stream_tiles`), a result no
-  smaller than a program tile, and 16-byte row pitches (``hopper_matmul.takes``:
-  the minor dimension of each operand and of the result a multiple of 8). It
-  copies no operand, whatever the token count; where an operand's rows miss 16
-  bytes, the plan may copy the operands to 16-byte pitches for it
-  (:func:`pitch_padded_plan`).
-  It runs chunked contractions too, in each tile's program or split
-  (:func:`mosaic_split_tiles`).
+  over shares of up to ``ROW_STREAM_MAX_ROWS`` rows: :func:`row_stream_tiles`), a
+  result no smaller than a program tile, and 16-byte row pitches
+  (``hopper_matmul.takes``: the minor dimension of each operand and of the result a
+  multiple of 8). It copies no operand, whatever the token count; where an operand's
+  rows miss 16 bytes, the plan may copy the operands to 16-byte pitches for it
+  (:func:`pitch_padded_plan`). It runs chunked contractions too, in each tile's
+  program or split (:func:`mosaic_split_tiles`).
 * ``Kernel.PALLAS_TRITON`` (:mod:`pallas_kernels.matmul`): the Pallas Triton
   lowering, masked edges, no copies; every other GEMM, every other chunked
   contraction (``plan``'s ``contraction_chunk``), and every GEMM in interpret
@@ -385,21 +384,19 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
                       out_dtype, device: Device, contraction_chunk: int | None,
                       split_chunks: bool | None = None) -> Plan | None:
   """The plan of a single GEMM whose operands' rows miss 16 bytes
-  (:func:`operand_rows_miss_pitch`) run on copies padded to 16-byte pitches, or
-  None where it is not taken: at least ``PITCH_PAD_MIN_MACS`` multiply-adds, and
-  the plan of the padded sizes (:func:`pitch_padded_sizes`, the same
-  ``contraction_chunk``) is the Mosaic GPU kernel's (so a Hopper GPU and 16-bit
-  operands), its stream tiles of at most STREAM_ROWS rows
-  (:func:`mosaic_stream_tiles`) only above the rows
-  of the Triton ladder's shortest tiles (``SMALLEST_LADDER_TILE``: up to those
-  rows the ladder streams the unpadded weight about as fast as the copy costs)
-  and where operand rows are not whole words (:func:`rows_miss_words`: Triton
-  loads rows of whole words asynchronously, faster than the copy and the stream
-  tiles); or, on a Hopper GPU, the Triton ladder's for an unchunked NT GEMM of
-  rows not whole words, more rows than those tiles' and at most
-  GPU_ONE_ROW_OF_TILES. Zero padding adds zero products in the
-  contraction's last step and columns that are sliced off, so the bits are those
-  of the unpadded GEMM on any kernel."""
+  (:func:`operand_rows_miss_pitch`) run on copies padded to 16-byte pitches, or None
+  where it is not taken: at least ``PITCH_PAD_MIN_MACS`` multiply-adds, and the plan
+  of the padded sizes (:func:`pitch_padded_sizes`, the same ``contraction_chunk``)
+  is the Mosaic GPU kernel's (so a Hopper GPU and 16-bit operands), its stream tiles
+  of at most STREAM_ROWS rows (:func:`mosaic_stream_tiles`) only above the rows of
+  the Triton ladder's shortest tiles (``SMALLEST_LADDER_TILE``: up to those rows the
+  ladder streams the unpadded weight about as fast as the copy costs) and where
+  operand rows are not whole words (:func:`rows_miss_words`: Triton loads rows of
+  whole words asynchronously, faster than the copy and the stream tiles); or, on a
+  Hopper GPU, the Triton ladder's for an unchunked NT GEMM of rows not whole words,
+  more rows than those tiles' and at most GPU_ONE_ROW_OF_TILES. Zero padding adds
+  zero products in the contraction's last step and columns that are sliced off, so
+  the bits are those of the unpadded GEMM on any kernel."""
   if rows * cols * contraction < PITCH_PAD_MIN_MACS:
     return None
   sizes = pitch_padded_sizes(layout, rows, cols, contraction)

@@ -1031,9 +1031,10 @@ def test_plan_shares_rows_among_stream_tiles_where_the_pick_leaves_sms_idle():
   """Above LADDER_ROWS rows, up to ROW_STREAM_MAX_ROWS, the forward and dA whose
   Mosaic GPU pick fills less than ROW_STREAM_FILL of the SMs' CTA slots (on an
   H100, fewer than 66 of 132) run on stream tiles over a share of the rows: the
-  most CTAs one wave holds (matmul_plan.row_stream_tiles), in a chunked contraction only tiles whose
-  accumulator fits twice; never dB, a float32 result or groups. GEMMs of the
-  H200 draws (benchmarks/results/h100.md, sixty-fifth section)."""
+  most CTAs one wave holds (matmul_plan.row_stream_tiles), in a chunked
+  contraction only tiles whose accumulator fits twice; never dB, a float32
+  result or groups. GEMMs of the H200 draws (benchmarks/results/h100.md,
+  sixty-fifth section)."""
   def tiles(rows, cols, contraction, layout=Layout.NN, **options):
     return _plan(layout, rows, cols, contraction, **options).tiles
 
@@ -1075,11 +1076,11 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
   """A single 16-bit GEMM on a Hopper GPU whose lhs or rhs rows miss 16 bytes
   runs on operands padded to 16-byte pitches exactly where it does at least
   PITCH_PAD_MIN_MACS multiply-adds and the plan of the padded sizes is the Mosaic
-  GPU kernel's, its stream tiles of up to STREAM_ROWS rows (hopper_matmul.stream_tiles)
-  only above 16 rows of odd length, or the Triton ladder's for an unchunked NT GEMM of 17-64 rows of
-  odd length: that plan, with the unpadded GEMM's chunks (which padding does not
-  move). A result whose rows alone miss, groups, float32 operands and other GPUs
-  are never padded."""
+  GPU kernel's, its stream tiles of up to STREAM_ROWS rows
+  (hopper_matmul.stream_tiles) only above 16 rows of odd length, or the Triton
+  ladder's for an unchunked NT GEMM of 17-64 rows of odd length: that plan, with
+  the unpadded GEMM's chunks (which padding does not move). A result whose rows
+  alone miss, groups, float32 operands and other GPUs are never padded."""
   ampere = matmul_plan.Device("gpu", "8.0", 108)
   padded_somewhere, padded_streams, padded_ladders = set(), set(), set()
   for layout, groups, dtype in itertools.product(Layout, (1, 8), (bf16, jnp.dtype(jnp.float32))):
@@ -1177,17 +1178,17 @@ def _gpu_ladder_configs(words_missed: bool = False):
 
 def _every_plan(layout: Layout, rows: int, cols: int, contraction: int, dtype, device=None):
   """Every plan the plan could make for a GEMM of these sizes, in the contraction's
-  chunks (``matmul_plan.fixed_contraction_chunk``): each Triton ladder tile at
-  each stage count (for a chunked contraction, those whose accumulator fits
-  twice, and every tile with the chunks on programs of their own), jax-triton
-  where it is installed, and, where the Mosaic GPU kernel serves the sizes, each
-  of its candidate tiles (``matmul_plan.mosaic_tile_candidates``), for a chunked
+  chunks (``matmul_plan.fixed_contraction_chunk``): each Triton ladder tile at each
+  stage count (for a chunked contraction, those whose accumulator fits twice, and
+  every tile with the chunks on programs of their own), jax-triton where it is
+  installed, and, where the Mosaic GPU kernel serves the sizes, each of its
+  candidate tiles (``matmul_plan.mosaic_tile_candidates``), for a chunked
   contraction with the chunks split too (up to STREAM_ROWS rows its stream tiles:
-  ``hopper_matmul.stream_tiles``; above, with those, the plan's stream tiles over
-  a share of the rows: ``matmul_plan.row_stream_tiles``); where the plan pads the operands to
-  16-byte pitches (``matmul_plan.pitch_padded_plan``), the padded sizes' plans of
-  the Mosaic GPU kernel and of the padded plan's kernel, padded. ``device``: the
-  plan's (default: the current one)."""
+  ``hopper_matmul.stream_tiles``; above, with those, the plan's stream tiles over a
+  share of the rows: ``matmul_plan.row_stream_tiles``); where the plan pads the
+  operands to 16-byte pitches (``matmul_plan.pitch_padded_plan``), the padded sizes'
+  plans of the Mosaic GPU kernel and of the padded plan's kernel, padded.
+  ``device``: the plan's (default: the current one)."""
   chunk = matmul_plan.fixed_contraction_chunk(layout, cols, contraction)
   words_missed = matmul_plan.rows_miss_words(layout, rows, cols, contraction, dtype)
   ladder = (_gpu_ladder_configs(words_missed) if layout is not Layout.TN
