@@ -405,8 +405,8 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   sync_loads_above_shortest_tiles = (rows > SMALLEST_LADDER_TILE[0] and rows_miss_words(
       layout, rows, cols, contraction, dtype))
   if padded.kernel is Kernel.MOSAIC_GPU:
-    takes = (sync_loads_above_shortest_tiles or not padded.tiles.streams
-             or rows > STREAM_ROWS)
+    few_row_streams = padded.tiles.streams and rows <= STREAM_ROWS  # mosaic_stream_tiles'
+    takes = sync_loads_above_shortest_tiles or not few_row_streams
   else:
     takes = (layout is Layout.NT and contraction_chunk is None and device.is_hopper
              and sync_loads_above_shortest_tiles
