@@ -202,7 +202,16 @@ SYNC_LOAD_WIDE_WARPS = 8
 # sixty-second sections): copies and stream tiles 1.30x / 1.37x the unpadded ladder
 # over 17-48 odd-length rows, the unpadded ladder 1.33x / 1.37x the copies over
 # whole words, the NT ladder padded 1.65x at 30 drawn after the rule.
+# Over rows of whole words, which Triton loads asynchronously, the copies pay only
+# over a contraction of at least WHOLE_WORD_PAD_MIN_CONTRACTION (any layout; in TN
+# the contraction is the tokens) and, in NN, above the rows of the ladder's tallest
+# tiles (TALLEST_LADDER_TILE_ROWS), which stream the weight once. On an H200
+# (h100.md, sixty-seventh section: 101 GEMMs of 65-1024 tokens timed both ways, three
+# draws and the grid's 4100 x 2050), copies over shorter contractions lost at 24 of 25
+# (0.826x in geometric mean, all 12 dB over 73-393 tokens) and NN at 65-128 rows at 6
+# of 9 (0.876x); the 67 the rule pads won 1.228x (12 slower).
 PITCH_PAD_MIN_MACS = 1 << 28
+WHOLE_WORD_PAD_MIN_CONTRACTION = 1024
 # Up to STREAM_ROWS rows a single forward or dA over a contraction of at least
 # STREAM_MIN_CONTRACTION runs on the Mosaic GPU kernel's stream tiles
 # (hopper_matmul.stream_tiles) where their programs fit in one wave
@@ -230,6 +239,7 @@ PITCH_PAD_MIN_MACS = 1 << 28
 STREAM_ROWS = 48
 STREAM_MIN_CONTRACTION = 1024
 SMALLEST_LADDER_TILE = min((t.block_m, t.block_n) for t in pallas_triton.GPU_MATMUL_LADDER)
+TALLEST_LADDER_TILE_ROWS = max(t.block_m for t in pallas_triton.GPU_MATMUL_LADDER)
 SMALLEST_TILE_STREAM_MIN_CONTRACTION = {Layout.NN: 1536, Layout.NT: 2560}
 HALF_WAVE_NT_STREAM_MIN_CONTRACTION = 1664
 # Above LADDER_ROWS rows, up to ROW_STREAM_MAX_ROWS (the rows one stream tile holds:
@@ -392,7 +402,9 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   the Triton ladder's shortest tiles (``SMALLEST_LADDER_TILE``: up to those rows the
   ladder streams the unpadded weight about as fast as the copy costs) and where
   operand rows are not whole words (:func:`rows_miss_words`: Triton loads rows of
-  whole words asynchronously, faster than the copy and the stream tiles); or, on a
+  whole words asynchronously, faster than the copy and the stream tiles), and for
+  rows of whole words only over ``WHOLE_WORD_PAD_MIN_CONTRACTION`` indices or more
+  and, in NN, above ``TALLEST_LADDER_TILE_ROWS`` rows; or, on a
   Hopper GPU, the Triton ladder's for an unchunked NT GEMM of rows not whole words,
   more rows than those tiles' and at most GPU_ONE_ROW_OF_TILES. Zero padding adds
   zero products in the contraction's last step and columns that are sliced off, so
@@ -402,11 +414,14 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   sizes = pitch_padded_sizes(layout, rows, cols, contraction)
   padded = plan(layout, *sizes, dtype=dtype, out_dtype=out_dtype, device=device,
                 contraction_chunk=contraction_chunk or sizes[2], split_chunks=split_chunks)
-  sync_loads_above_shortest_tiles = (rows > SMALLEST_LADDER_TILE[0] and rows_miss_words(
-      layout, rows, cols, contraction, dtype))
+  words_missed = rows_miss_words(layout, rows, cols, contraction, dtype)
+  sync_loads_above_shortest_tiles = rows > SMALLEST_LADDER_TILE[0] and words_missed
   if padded.kernel is Kernel.MOSAIC_GPU:
     few_row_streams = padded.tiles.streams and rows <= STREAM_ROWS  # mosaic_stream_tiles'
-    takes = sync_loads_above_shortest_tiles or not few_row_streams
+    copies_beat_async_loads = words_missed or (
+        contraction >= WHOLE_WORD_PAD_MIN_CONTRACTION
+        and (layout is not Layout.NN or rows > TALLEST_LADDER_TILE_ROWS))
+    takes = sync_loads_above_shortest_tiles or (not few_row_streams and copies_beat_async_loads)
   else:
     takes = (layout is Layout.NT and contraction_chunk is None and device.is_hopper
              and sync_loads_above_shortest_tiles

@@ -1077,10 +1077,11 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
   runs on operands padded to 16-byte pitches exactly where it does at least
   PITCH_PAD_MIN_MACS multiply-adds and the plan of the padded sizes is the Mosaic
   GPU kernel's, its stream tiles of up to STREAM_ROWS rows
-  (hopper_matmul.stream_tiles) only above 16 rows of odd length, or the Triton
-  ladder's for an unchunked NT GEMM of 17-64 rows of odd length: that plan, with
-  the unpadded GEMM's chunks (which padding does not move). A result whose rows
-  alone miss, groups, float32 operands and other GPUs are never padded."""
+  (hopper_matmul.stream_tiles) only above 16 rows of odd length, operand rows of
+  even length only over 1024 indices or more and, in NN, above 128 rows; or the
+  Triton ladder's for an unchunked NT GEMM of 17-64 rows of odd length: that plan,
+  with the unpadded GEMM's chunks (which padding does not move). A result whose
+  rows alone miss, groups, float32 operands and other GPUs are never padded."""
   ampere = matmul_plan.Device("gpu", "8.0", 108)
   padded_somewhere, padded_streams, padded_ladders = set(), set(), set()
   for layout, groups, dtype in itertools.product(Layout, (1, 8), (bf16, jnp.dtype(jnp.float32))):
@@ -1093,9 +1094,11 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
           assert matmul_plan.fixed_contraction_chunk(layout, *sizes[1:]) == chunk
           padded = _plan(layout, *sizes, dtype=dtype, contraction_chunk=chunk or sizes[2])
           odd_rows = any(minor % 2 for minor in layout.minor_dims(rows, cols, contraction))
+          even_rows_pay = contraction >= 1024 and (layout is not Layout.NN or rows > 128)
           mosaic_pays = (padded.kernel is Kernel.MOSAIC_GPU
-                         and (rows > 16 and odd_rows or not padded.tiles.streams
-                              or rows > matmul_plan.STREAM_ROWS))
+                         and (rows > 16 and odd_rows
+                              or (not padded.tiles.streams or rows > matmul_plan.STREAM_ROWS)
+                              and (odd_rows or even_rows_pay)))
           ladder_pays = (padded.kernel is Kernel.PALLAS_TRITON and layout is Layout.NT
                          and 16 < rows <= 64 and chunk is None and odd_rows)
           pays = (groups == 1 and dtype == bf16 and (mosaic_pays or ladder_pays)
@@ -1128,6 +1131,14 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
   assert _plan(Layout.NN, 48, 4101, 4096).pitch_padded
   assert _plan(Layout.NN, 48, 4101, 4096).tiles.streams
   assert not _plan(Layout.NN, 48, 4100, 4096).pitch_padded
+  # Rows of even length pay for the copies over 1024 indices or more (dB: tokens), and in
+  # NN above 128 rows.
+  for layout, rows, cols in ((Layout.NT, 300, 4096), (Layout.TN, 4100, 4096)):
+    assert _plan(layout, rows, cols, 1028).pitch_padded
+    assert not _plan(layout, rows, cols, 1020).pitch_padded
+  assert _plan(Layout.NN, 129, 4100, 4096).pitch_padded
+  assert not _plan(Layout.NN, 128, 4100, 4096).pitch_padded
+  assert _plan(Layout.NT, 100, 4100, 2050).pitch_padded
 
 
 @pytest.mark.parametrize("layout", list(Layout))
