@@ -206,10 +206,11 @@ SYNC_LOAD_WIDE_WARPS = 8
 # over a contraction of at least WHOLE_WORD_PAD_MIN_CONTRACTION (any layout; in TN
 # the contraction is the tokens) and, in NN, above the rows of the ladder's tallest
 # tiles (TALLEST_LADDER_TILE_ROWS), which stream the weight once. On an H200
-# (h100.md, sixty-seventh section: 101 GEMMs of 65-1024 tokens timed both ways, three
+# (h100.md, sixty-seventh section: 101 GEMMs of 65-1024 tokens timed both ways, four
 # draws and the grid's 4100 x 2050), copies over shorter contractions lost at 24 of 25
 # (0.826x in geometric mean, all 12 dB over 73-393 tokens) and NN at 65-128 rows at 6
-# of 9 (0.876x); the 67 the rule pads won 1.228x (12 slower).
+# of 9 (0.876x); the 67 the rule pads won 1.228x (12 slower). At 44 GEMMs drawn after
+# the rule, 1.037x the speed of copying them all.
 PITCH_PAD_MIN_MACS = 1 << 28
 WHOLE_WORD_PAD_MIN_CONTRACTION = 1024
 # Up to STREAM_ROWS rows a single forward or dA over a contraction of at least
