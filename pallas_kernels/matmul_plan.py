@@ -418,7 +418,9 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   words_missed = rows_miss_words(layout, rows, cols, contraction, dtype)
   sync_loads_above_shortest_tiles = rows > SMALLEST_LADDER_TILE[0] and words_missed
   if padded.kernel is Kernel.MOSAIC_GPU:
-    few_row_streams = padded.tiles.streams and rows <= STREAM_ROWS  # mosaic_stream_tiles'
+    # mosaic_stream_tiles' tiles; stream tiles above STREAM_ROWS rows are row_stream_tiles'
+    # shares, which the copies pay for like any other Mosaic GPU tile.
+    few_row_streams = padded.tiles.streams and rows <= STREAM_ROWS
     copies_beat_async_loads = words_missed or (
         contraction >= WHOLE_WORD_PAD_MIN_CONTRACTION
         and (layout is not Layout.NN or rows > TALLEST_LADDER_TILE_ROWS))
