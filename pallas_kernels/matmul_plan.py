@@ -10,9 +10,10 @@ choose by any size, the token count included. It chooses speed, never bits:
 * ``Kernel.MOSAIC_GPU`` (:mod:`pallas_kernels.hopper_matmul`): TMA + wgmma on a
   persistent grid. An H100, 16-bit operands, one problem (no groups), more than
   ``hopper_matmul.LADDER_ROWS`` rows for the forward and dA (but where the plan
-  keeps the ladder: :func:`ladder_keeps`; up to ``STREAM_ROWS`` rows where it
-  streams the weight through one-consumer tiles: :func:`mosaic_stream_tiles`, and
-  over shares of up to ``ROW_STREAM_MAX_ROWS`` rows: :func:`row_stream_tiles`), a
+  keeps the ladder: :func:`ladder_keeps`; up to ``LADDER_ROWS`` rows where it
+  streams the weight through one-consumer tiles, whole up to ``STREAM_ROWS`` rows:
+  :func:`mosaic_stream_tiles`, and above over shares of up to
+  ``ROW_STREAM_MAX_ROWS`` rows: :func:`row_stream_tiles`), a
   result no smaller than a program tile, and 16-byte row pitches
   (``hopper_matmul.takes``: the minor dimension of each operand and of the result a
   multiple of 8). It copies no operand, whatever the token count; where an operand's
@@ -201,7 +202,10 @@ SYNC_LOAD_WIDE_WARPS = 8
 # was mixed). On an H200 (benchmarks/results/h100.md, sixty-first and
 # sixty-second sections): copies and stream tiles 1.30x / 1.37x the unpadded ladder
 # over 17-48 odd-length rows, the unpadded ladder 1.33x / 1.37x the copies over
-# whole words, the NT ladder padded 1.65x at 30 drawn after the rule.
+# whole words, the NT ladder padded 1.65x at 30 drawn after the rule. At 49-64 rows,
+# where the stream tiles run over shares of the rows, copies of odd-length rows for
+# them ran 1.19x the unpadded NN ladder (11 drawn GEMMs, 4 slower, 0.64x over 1029
+# indices) and 1.10x the padded NT ladder (4) (sixty-eighth section).
 # Over rows of whole words, which Triton loads asynchronously, the copies pay only
 # over a contraction of at least WHOLE_WORD_PAD_MIN_CONTRACTION (any layout; in TN
 # the contraction is the tokens) and, in NN, above the rows of the ladder's tallest
@@ -220,9 +224,15 @@ WHOLE_WORD_PAD_MIN_CONTRACTION = 1024
 # 16-32-column programs, whose rate stays near 26-48 GB/s each; over two or more
 # waves the ladder stays faster. On an H200, against the ladder's pick (h100.md,
 # fifty-fifth and fifty-sixth sections, draws made after each bound): 1.12x at 29
-# GEMMs over 4096+ indices, 1.15x at 18 over 2048-2496. Tiles of 49-64 rows fit
-# only 13-14 stages and lost over long contractions (0.89-0.98x), so the ladder
-# keeps those rows. Where the ladder's pick is its smallest tile
+# GEMMs over 4096+ indices, 1.15x at 18 over 2048-2496. Whole tiles of 49-64 rows
+# fit only 13-14 stages and lost over long contractions (0.89-0.98x); above
+# STREAM_ROWS, up to hopper_matmul.LADDER_ROWS, the stream tiles run over a share
+# of the rows instead (row_stream_tiles, the most CTAs one wave holds, shares of
+# 8-32 rows under results of about 4,200 columns): on an H200 (h100.md,
+# sixty-eighth section) 1.20x the ladder's speed at 40 random GEMMs over
+# 1056-16216 indices (37 faster), 1.06-1.27x at nine grid forward and dA GEMMs over
+# 11,008-152,064; at 40 drawn after the rule (aligned or not, chunked or not) 1.27x
+# (36 faster). Where the ladder's pick is its smallest tile
 # (SMALLEST_LADDER_TILE: at most 16 rows of a result its 16-column programs fill
 # in one wave), those programs outnumber the stream tiles four to one, and the
 # stream tiles run only over SMALLEST_TILE_STREAM_MIN_CONTRACTION indices or more,
@@ -398,9 +408,9 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   (:func:`operand_rows_miss_pitch`) run on copies padded to 16-byte pitches, or None
   where it is not taken: at least ``PITCH_PAD_MIN_MACS`` multiply-adds, and the plan
   of the padded sizes (:func:`pitch_padded_sizes`, the same ``contraction_chunk``)
-  is the Mosaic GPU kernel's (so a Hopper GPU and 16-bit operands), its stream tiles
-  of at most STREAM_ROWS rows (:func:`mosaic_stream_tiles`) only above the rows of
-  the Triton ladder's shortest tiles (``SMALLEST_LADDER_TILE``: up to those rows the
+  is the Mosaic GPU kernel's (so a Hopper GPU and 16-bit operands), its stream
+  tiles of at most ``hopper_matmul.LADDER_ROWS`` rows (:func:`mosaic_stream_tiles`)
+  only above the rows of the Triton ladder's shortest tiles (``SMALLEST_LADDER_TILE``: up to those rows the
   ladder streams the unpadded weight about as fast as the copy costs) and where
   operand rows are not whole words (:func:`rows_miss_words`: Triton loads rows of
   whole words asynchronously, faster than the copy and the stream tiles), and for
@@ -418,9 +428,10 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   words_missed = rows_miss_words(layout, rows, cols, contraction, dtype)
   sync_loads_above_shortest_tiles = rows > SMALLEST_LADDER_TILE[0] and words_missed
   if padded.kernel is Kernel.MOSAIC_GPU:
-    # mosaic_stream_tiles' tiles; stream tiles above STREAM_ROWS rows are row_stream_tiles'
-    # shares, which the copies pay for like any other Mosaic GPU tile.
-    few_row_streams = padded.tiles.streams and rows <= STREAM_ROWS
+    # mosaic_stream_tiles' tiles (whole, or shares of 49-64 rows); stream tiles of more
+    # rows are row_stream_tiles' shares, which the copies pay for like any other Mosaic
+    # GPU tile.
+    few_row_streams = padded.tiles.streams and rows <= mosaic.LADDER_ROWS
     copies_beat_async_loads = words_missed or (
         contraction >= WHOLE_WORD_PAD_MIN_CONTRACTION
         and (layout is not Layout.NN or rows > TALLEST_LADDER_TILE_ROWS))
@@ -625,7 +636,8 @@ def mosaic_stream_tiles(layout: Layout, rows: int, cols: int, contraction: int, 
                         out_dtype, num_sms: int, ladder: MatmulTiles
                         ) -> mosaic.HopperTiles | None:
   """The stream tiles (``hopper_matmul.stream_tiles``) for a single forward or
-  dA of a [rows, cols] result, at most ``STREAM_ROWS`` rows, over
+  dA of a [rows, cols] result, at most ``hopper_matmul.LADDER_ROWS`` rows (above
+  ``STREAM_ROWS`` over a share of the rows: :func:`row_stream_tiles`), over
   ``contraction`` that the Mosaic GPU kernel takes (:func:`_mosaic_takes`), with
   its stages fitted; or None where the Triton ladder runs it (``ladder``, its
   pick): a contraction shorter than STREAM_MIN_CONTRACTION (where the pick is the
@@ -639,10 +651,15 @@ def mosaic_stream_tiles(layout: Layout, rows: int, cols: int, contraction: int, 
       least = HALF_WAVE_NT_STREAM_MIN_CONTRACTION
   else:
     least = STREAM_MIN_CONTRACTION
-  if (rows > STREAM_ROWS or contraction < least
+  if (rows > mosaic.LADDER_ROWS or contraction < least
       or not mosaic.transposed_takes(layout, out_dtype)):
     return None
-  tiles = mosaic.stream_tiles(rows)
+  if rows > STREAM_ROWS:
+    tiles = row_stream_tiles(rows, cols, num_sms)
+    if not tiles:
+      return None
+  else:
+    tiles = mosaic.stream_tiles(rows)
   if not tiles.fits(rows, cols) or tiles.tile_count(rows, cols) > num_sms:
     return None
   return pallas_triton.fit_stages(tiles, dtype, out_dtype)

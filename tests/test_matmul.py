@@ -386,7 +386,7 @@ def test_plan_runs_chunks_on_every_kernel():
         (1000, 1024, 4096, None, Kernel.MOSAIC_GPU, False),  # 16 x 8 tiles
         (64, 1024, 4088, None, Kernel.PALLAS_TRITON, True),
         (64, 1024, 3072, None, Kernel.PALLAS_TRITON, True),  # 1.5 chunks of 2048
-        (64, 1024, 3064, None, Kernel.PALLAS_TRITON, False),
+        (64, 1024, 3064, None, Kernel.MOSAIC_GPU, False),  # stream tiles, shares of 8 rows
         (256, 1024, 3072, None, Kernel.PALLAS_TRITON, True),
         (256, 1024, 3064, None, Kernel.MOSAIC_GPU, False),
         (257, 1024, 4088, None, Kernel.MOSAIC_GPU, False),  # 5 x 8 tiles, under 2 chunks
@@ -586,10 +586,11 @@ def test_plan_sends_mosaic_only_what_tma_takes():
   smaller than one of its tiles and 16-byte row pitches (every operand's and the
   result's minor dimension a multiple of 8): the forward and dA above LADDER_ROWS
   rows (but where the plan keeps the ladder: matmul_plan.ladder_keeps), up to
-  STREAM_ROWS over contractions of STREAM_MIN_CONTRACTION or more in one wave of
-  stream tiles (hopper_matmul.stream_tiles: 64 columns, any rows; where the
-  ladder picks its 16 x 16 tile, over 1536 or more in NN, 2560 in NT, 1664 in NT
-  where the ladder's programs fill at most half the SMs), a
+  LADDER_ROWS over contractions of STREAM_MIN_CONTRACTION or more in one wave of
+  stream tiles (hopper_matmul.stream_tiles: 64 columns, any rows, above
+  STREAM_ROWS over a share of them; where the ladder picks its 16 x 16 tile, over
+  1536 or more in NN, 2560 in NT, 1664 in NT where the ladder's programs fill at
+  most half the SMs), a
   chunked contraction's split where its pick's units fill the SMs
   (matmul_plan.mosaic_split_tiles), dB whatever the token count. (Operands
   copied to those pitches: test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays.)"""
@@ -618,7 +619,7 @@ def test_plan_sends_mosaic_only_what_tma_takes():
                        and contraction >= matmul_plan.STREAM_MIN_CONTRACTION
                        and not (smallest and contraction < smallest_bound))
             mosaic_fits = (takes and rows > hopper.LADDER_ROWS
-                           or streams and rows <= matmul_plan.STREAM_ROWS)
+                           or streams and rows <= hopper.LADDER_ROWS)
             if chosen.split_chunks:
               mosaic_fits = takes and matmul_plan.mosaic_split_tiles(
                   layout, rows, cols, contraction, chosen.contraction_chunk, bf16, H100,
@@ -654,8 +655,8 @@ def test_plan_keeps_the_ladder_where_it_streams_the_weight_once():
   assert kernel(80, 11776, 80512) is Kernel.MOSAIC_GPU   # an 80-row transposed Mosaic tile
   for k, n in ((4096, 4096), (14336, 4096), (13824, 5120), (4096, 6144), (768, 2048)):
     assert kernel(100, k, n) is Kernel.MOSAIC_GPU, (k, n)  # 64-row ladder tiles
-  assert kernel(64, 3072, 4096) is Kernel.PALLAS_TRITON  # LADDER_ROWS (rows the
-  # stream tiles leave: test_plan_streams_few_rows_through_one_consumer_tiles)
+  assert kernel(64, 1016, 4096) is Kernel.PALLAS_TRITON  # LADDER_ROWS over a contraction
+  # the stream tiles leave (test_plan_streams_few_rows_through_one_consumer_tiles)
   assert kernel(129, 4096, 128256) is kernel(65, 768, 2048) is Kernel.MOSAIC_GPU
   # dA into a wide activation gradient ([100, 28672] over 8192) keeps the ladder too.
   assert kernel(100, 28672, 8192, Layout.NT) is Kernel.PALLAS_TRITON
@@ -683,7 +684,17 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
       assert streamed == kernels.fit_stages(hopper.stream_tiles(rows), bf16, bf16)
   assert tiles(1, 4096, 14336).num_stages == hopper.STREAM_STAGES
   assert tiles(48, 4096, 14336).num_stages < hopper.STREAM_STAGES  # shared memory
-  assert tiles(49, 4096, 14336) is tiles(64, 4096, 14336) is None  # the ladder's rows
+  # Above STREAM_ROWS, up to LADDER_ROWS, a share of the rows (row_stream_tiles): the most
+  # CTAs one wave holds.
+  shares = lambda rows: kernels.fit_stages(hopper.stream_tiles(rows), bf16, bf16)
+  for layout in (Layout.NN, Layout.NT):
+    assert tiles(49, 4096, 14336, layout) == tiles(64, 4096, 14336, layout) == shares(32)
+  assert tiles(64, 4096, 14336).tile_count(64, 4096) == 128
+  assert tiles(57, 1080, 2048) == shares(16)      # 4 x 17 = 68 CTAs (8 rows: 136, past a wave)
+  assert tiles(64, 5120, 14336) == shares(64)                  # 80 CTAs whole
+  assert tiles(64, 132 * 64, 14336) == shares(64)
+  assert tiles(64, 132 * 64 + 8, 14336) is None                # 133 CTAs: the ladder
+  assert tiles(64, 4096, 1016) is None                          # STREAM_MIN_CONTRACTION
   assert tiles(65, 4224, 14336).consumers == 2  # 66 CTAs (fewer: row_stream_tiles)
   assert tiles(16, 4096, 1024).consumers == 1                   # STREAM_MIN_CONTRACTION
   assert tiles(16, 4096, 1016) is None
@@ -1076,8 +1087,9 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
   """A single 16-bit GEMM on a Hopper GPU whose lhs or rhs rows miss 16 bytes
   runs on operands padded to 16-byte pitches exactly where it does at least
   PITCH_PAD_MIN_MACS multiply-adds and the plan of the padded sizes is the Mosaic
-  GPU kernel's, its stream tiles of up to STREAM_ROWS rows
-  (hopper_matmul.stream_tiles) only above 16 rows of odd length, operand rows of
+  GPU kernel's, its stream tiles of up to LADDER_ROWS rows
+  (hopper_matmul.stream_tiles, whole or over shares of the rows) only above 16 rows
+  of odd length, operand rows of
   even length only over 1024 indices or more and, in NN, above 128 rows; or the
   Triton ladder's for an unchunked NT GEMM of 17-64 rows of odd length: that plan,
   with the unpadded GEMM's chunks (which padding does not move). A result whose
@@ -1097,7 +1109,7 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
           even_rows_pay = contraction >= 1024 and (layout is not Layout.NN or rows > 128)
           mosaic_pays = (padded.kernel is Kernel.MOSAIC_GPU
                          and (rows > 16 and odd_rows
-                              or (not padded.tiles.streams or rows > matmul_plan.STREAM_ROWS)
+                              or (not padded.tiles.streams or rows > hopper.LADDER_ROWS)
                               and (odd_rows or even_rows_pay)))
           ladder_pays = (padded.kernel is Kernel.PALLAS_TRITON and layout is Layout.NT
                          and 16 < rows <= 64 and chunk is None and odd_rows)
@@ -1115,14 +1127,16 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
               padded_streams.add(rows)
           assert not _plan(layout, rows, cols, contraction, dtype=dtype, groups=groups,
                            device=ampere).pitch_padded
-  # 100 rows: the padded sizes' stream tiles over a share of the rows (row_stream_tiles).
-  assert padded_somewhere == set(Layout) and padded_streams == {17, 48, 100}
-  assert padded_ladders == {64}
-  # Past one wave of stream tiles (132 x 64 columns), NT of 17 rows pads for the ladder too;
+  # 64 and 100 rows: the padded sizes' stream tiles over a share of the rows
+  # (row_stream_tiles).
+  assert padded_somewhere == set(Layout) and padded_streams == {17, 48, 64, 100}
+  assert not padded_ladders
+  # Past one wave of stream tiles (132 x 64 columns), NT of 17-64 rows pads for the ladder;
   # NN, 16 rows and a chunked contraction (chunks of 2048 here) do not.
   wide = 132 * 64 + 8
-  assert _plan(Layout.NT, 17, wide, 4099).pitch_padded
-  assert _plan(Layout.NT, 17, wide, 4099).kernel is Kernel.PALLAS_TRITON
+  for rows in (17, 64):
+    assert _plan(Layout.NT, rows, wide, 4099).pitch_padded
+    assert _plan(Layout.NT, rows, wide, 4099).kernel is Kernel.PALLAS_TRITON
   assert not _plan(Layout.NN, 17, wide, 4099).pitch_padded
   assert not _plan(Layout.NT, 16, wide, 16411).pitch_padded
   assert not _plan(Layout.NT, 48, 1000, 16411).pitch_padded
@@ -1412,32 +1426,35 @@ def test_gpu_deep_steps_give_the_64_deep_bits():
 
 @pytest.mark.gpu
 def test_gpu_pitch_padded_plans_give_the_unpadded_bits():
-  """Above 16 rows, a forward and a dA whose operand rows miss 16 bytes (a 6351 x
-  4657 weight) run on copies padded to 16-byte pitches
-  (``matmul_plan.pitch_padded_plan``): at 17 and 48 rows on the Mosaic GPU
-  kernel's stream tiles, the dA (NT) at 64 rows on the Triton ladder. jdet.matmul
-  gives the bits of the unpadded Triton ladder plan and of the same rows in a
-  4096-row GEMM."""
+  """Above 16 rows, a forward and a dA whose operand rows miss 16 bytes run on
+  copies padded to 16-byte pitches (``matmul_plan.pitch_padded_plan``): of a 6351 x
+  4657 weight at 17, 48 and 64 rows on the Mosaic GPU kernel's stream tiles; the dA
+  (NT) at 64 rows into a result wider than one wave of them (8457 columns) on the
+  Triton ladder. jdet.matmul gives the bits of the unpadded Triton ladder plan and
+  of the same rows in a 4096-row GEMM."""
   rng = np.random.default_rng(11)
-  k, n, many = 6351, 4657, 4096
-  a = random_normal(rng, (many, k), bf16)
-  b = random_normal(rng, (k, n), bf16)
-  g = random_normal(rng, (many, n), bf16)
-  forward, da = mm(a, b), mm_da(a, b, g)
-  cases = [(rows, name, Kernel.MOSAIC_GPU) for rows in (17, 48) for name in ("forward", "dA")]
-  for rows, name, kernel in cases + [(64, "dA", Kernel.PALLAS_TRITON)]:
-    layout, lhs, cols, contraction, got, want = (
-        (Layout.NN, a[:rows], n, k, mm(a[:rows], b), forward[:rows]) if name == "forward" else
-        (Layout.NT, g[:rows], k, n, mm_da(a[:rows], b, g[:rows]), da[:rows]))
-    chosen = _plan(layout, rows, cols, contraction, device=None)
-    assert chosen.pitch_padded and chosen.kernel is kernel, (name, rows, chosen)
-    ladder = dataclasses.replace(chosen, kernel=Kernel.PALLAS_TRITON, pitch_padded=False,
-                                 tiles=matmul_plan.triton_tiles(
-                                     layout, rows, cols, bf16, bf16, contraction=contraction,
-                                     chunked=chosen.contraction_chunk is not None))
-    unpadded = matmul_plan.launch(ladder, lhs[None], b[None], layout=layout, out_dtype=bf16)
-    assert_bitwise_equal(got, unpadded[0], what=f"{name} M={rows} against {ladder}")
-    assert_bitwise_equal(got, want, what=f"{name} M={rows} against M={many}")
+  many = 4096
+  streamed = [(rows, name, Kernel.MOSAIC_GPU) for rows in (17, 48, 64)
+              for name in ("forward", "dA")]
+  past_a_wave = [(64, "dA", Kernel.PALLAS_TRITON)]
+  for (k, n), cases in (((6351, 4657), streamed), ((8457, 1031), past_a_wave)):
+    a = random_normal(rng, (many, k), bf16)
+    b = random_normal(rng, (k, n), bf16)
+    g = random_normal(rng, (many, n), bf16)
+    forward, da = mm(a, b), mm_da(a, b, g)
+    for rows, name, kernel in cases:
+      layout, lhs, cols, contraction, got, want = (
+          (Layout.NN, a[:rows], n, k, mm(a[:rows], b), forward[:rows]) if name == "forward" else
+          (Layout.NT, g[:rows], k, n, mm_da(a[:rows], b, g[:rows]), da[:rows]))
+      chosen = _plan(layout, rows, cols, contraction, device=None)
+      assert chosen.pitch_padded and chosen.kernel is kernel, (name, rows, chosen)
+      ladder = dataclasses.replace(chosen, kernel=Kernel.PALLAS_TRITON, pitch_padded=False,
+                                   tiles=matmul_plan.triton_tiles(
+                                       layout, rows, cols, bf16, bf16, contraction=contraction,
+                                       chunked=chosen.contraction_chunk is not None))
+      unpadded = matmul_plan.launch(ladder, lhs[None], b[None], layout=layout, out_dtype=bf16)
+      assert_bitwise_equal(got, unpadded[0], what=f"{name} M={rows} against {ladder}")
+      assert_bitwise_equal(got, want, what=f"{name} M={rows} against M={many}")
 
 
 @pytest.mark.gpu
