@@ -221,32 +221,32 @@ WHOLE_WORD_PAD_MIN_CONTRACTION = 1024
 # STREAM_MIN_CONTRACTION runs on the Mosaic GPU kernel's stream tiles
 # (hopper_matmul.stream_tiles) where their programs fit in one wave
 # (mosaic_stream_tiles): TMA streams a weight faster than the Triton ladder's
-# 16-32-column programs, whose rate stays near 26-48 GB/s each; over two or more
-# waves the ladder stays faster. On an H200, against the ladder's pick (h100.md,
-# fifty-fifth and fifty-sixth sections, draws made after each bound): 1.12x at 29
-# GEMMs over 4096+ indices, 1.15x at 18 over 2048-2496. Whole tiles of 49-64 rows
-# fit only 13-14 stages and lost over long contractions (0.89-0.98x); above
-# STREAM_ROWS, up to hopper_matmul.LADDER_ROWS, the stream tiles run over a share
-# of the rows instead (row_stream_tiles, the most CTAs one wave holds, shares of
-# 8-32 rows under results of about 4,200 columns): on an H200 (h100.md,
-# sixty-eighth section) 1.20x the ladder's speed at 40 random GEMMs over
-# 1056-16216 indices (37 faster), 1.06-1.27x at nine grid forward and dA GEMMs over
-# 11,008-152,064; at 40 drawn after the rule (aligned or not, chunked or not) 1.27x
-# (36 faster). Where the ladder's pick is its smallest tile
-# (SMALLEST_LADDER_TILE: at most 16 rows of a result its 16-column programs fill
-# in one wave), those programs outnumber the stream tiles four to one, and the
-# stream tiles run only over SMALLEST_TILE_STREAM_MIN_CONTRACTION indices or more,
-# longer in NT, where each such program reads whole 128-byte lines of the weight;
-# but in NT where those programs fill at most half the SMs (results of at most
-# 1,056 columns on 132 SMs), from HALF_WAVE_NT_STREAM_MIN_CONTRACTION. Over
-# 1024-4095 indices at 1-48 rows (h100.md, fifty-seventh section: four draws, 169
-# one-wave GEMMs, then 28 of the smallest pick drawn after the bounds), against
-# the ladder: other picks 1.22x (112, 2 slower); the smallest pick NN over 1536+
-# 1.11x (22) and 1.14x after (9), NT over 2560+ 1.10x (7) and 1.07x after (11, 3
-# slower), and below the bounds 0.97x (28, 23 slower) and 0.99x after (8, 6
-# slower). NT on half-wave grids (h100.md, fifty-seventh section, 5, and
-# fifty-eighth: three draws, 88 GEMMs, two made after the bound): from 1664
-# indices 1.10x (48, 18 slower, none below 0.91x), below 0.975x (44, 26 slower).
+# 16-32-column programs, whose rate stays near 26-48 GB/s each; over two or more waves
+# the ladder stays faster. On an H200, against the ladder's pick (h100.md, fifty-fifth
+# and fifty-sixth sections, draws made after each bound): 1.12x at 29 GEMMs over 4096+
+# indices, 1.15x at 18 over 2048-2496. Whole tiles of 49-64 rows fit only 13-14 stages
+# and lost over long contractions (0.89-0.98x); above STREAM_ROWS, up to
+# hopper_matmul.LADDER_ROWS, the stream tiles run over a share of the rows instead
+# (row_stream_tiles: the most CTAs one wave holds, shares of 8-32 rows under results
+# of at most 4,224 columns, whole tiles above). On an H200 (h100.md, sixty-eighth
+# section) 1.20x the ladder's speed at 40 random GEMMs over 1056-16216 indices (37
+# faster), 1.01-1.27x at 14 forward and dA GEMMs over 8192-152,064 (grid weights among
+# them); at 40 drawn after the rule (aligned or not, chunked or not) 1.27x (36
+# faster). Below 49 rows whole tiles stay: shares there ran 0.975x at 30 random GEMMs
+# (0.76x at the worst). Where the ladder's pick is its smallest tile
+# (SMALLEST_LADDER_TILE: at most 16 rows of a result its 16-column programs fill in
+# one wave), those programs outnumber the stream tiles four to one, and the stream
+# tiles run only over SMALLEST_TILE_STREAM_MIN_CONTRACTION indices or more, longer in
+# NT, where each such program reads whole 128-byte lines of the weight; but in NT
+# where those programs fill at most half the SMs (results of at most 1,056 columns on
+# 132 SMs), from HALF_WAVE_NT_STREAM_MIN_CONTRACTION. Over 1024-4095 indices at 1-48
+# rows (h100.md, fifty-seventh section: four draws, 169 one-wave GEMMs, then 28 of the
+# smallest pick drawn after the bounds), against the ladder: other picks 1.22x (112, 2
+# slower); the smallest pick NN over 1536+ 1.11x (22) and 1.14x after (9), NT over
+# 2560+ 1.10x (7) and 1.07x after (11, 3 slower), and below the bounds 0.97x (28, 23
+# slower) and 0.99x after (8, 6 slower). NT on half-wave grids (h100.md, fifty-seventh
+# section, 5, and fifty-eighth: three draws, 88 GEMMs, two made after the bound): from
+# 1664 indices 1.10x (48, 18 slower, none below 0.91x), below 0.975x (44, 26 slower).
 STREAM_ROWS = 48
 STREAM_MIN_CONTRACTION = 1024
 SMALLEST_LADDER_TILE = min((t.block_m, t.block_n) for t in pallas_triton.GPU_MATMUL_LADDER)
@@ -407,19 +407,19 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   """The plan of a single GEMM whose operands' rows miss 16 bytes
   (:func:`operand_rows_miss_pitch`) run on copies padded to 16-byte pitches, or None
   where it is not taken: at least ``PITCH_PAD_MIN_MACS`` multiply-adds, and the plan
-  of the padded sizes (:func:`pitch_padded_sizes`, the same ``contraction_chunk``)
-  is the Mosaic GPU kernel's (so a Hopper GPU and 16-bit operands), its stream
-  tiles of at most ``hopper_matmul.LADDER_ROWS`` rows (:func:`mosaic_stream_tiles`)
-  only above the rows of the Triton ladder's shortest tiles (``SMALLEST_LADDER_TILE``: up to those rows the
-  ladder streams the unpadded weight about as fast as the copy costs) and where
-  operand rows are not whole words (:func:`rows_miss_words`: Triton loads rows of
-  whole words asynchronously, faster than the copy and the stream tiles), and for
-  rows of whole words only over ``WHOLE_WORD_PAD_MIN_CONTRACTION`` indices or more
-  and, in NN, above ``TALLEST_LADDER_TILE_ROWS`` rows; or, on a
-  Hopper GPU, the Triton ladder's for an unchunked NT GEMM of rows not whole words,
-  more rows than those tiles' and at most GPU_ONE_ROW_OF_TILES. Zero padding adds
-  zero products in the contraction's last step and columns that are sliced off, so
-  the bits are those of the unpadded GEMM on any kernel."""
+  of the padded sizes (:func:`pitch_padded_sizes`, the same ``contraction_chunk``) is
+  the Mosaic GPU kernel's (so a Hopper GPU and 16-bit operands), its stream tiles of
+  at most ``hopper_matmul.LADDER_ROWS`` rows (:func:`mosaic_stream_tiles`) only above
+  the rows of the Triton ladder's shortest tiles (``SMALLEST_LADDER_TILE``: up to
+  those rows the ladder streams the unpadded weight about as fast as the copy costs)
+  and where operand rows are not whole words (:func:`rows_miss_words`: Triton loads
+  rows of whole words asynchronously, faster than the copy and the stream tiles), and
+  for rows of whole words only over ``WHOLE_WORD_PAD_MIN_CONTRACTION`` indices or more
+  and, in NN, above ``TALLEST_LADDER_TILE_ROWS`` rows; or, on a Hopper GPU, the Triton
+  ladder's for an unchunked NT GEMM of rows not whole words, more rows than those
+  tiles' and at most GPU_ONE_ROW_OF_TILES. Zero padding adds zero products in the
+  contraction's last step and columns that are sliced off, so the bits are those of
+  the unpadded GEMM on any kernel."""
   if rows * cols * contraction < PITCH_PAD_MIN_MACS:
     return None
   sizes = pitch_padded_sizes(layout, rows, cols, contraction)
