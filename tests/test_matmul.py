@@ -667,11 +667,13 @@ def test_plan_streams_few_rows_through_one_consumer_tiles():
   """Up to STREAM_ROWS rows the forward and dA over a contraction of at least
   STREAM_MIN_CONTRACTION run on the Mosaic GPU kernel's stream tiles (one
   consumer warpgroup, 64 weight columns, the rows rounded up to 8 on wgmma's N
-  side) where those fill at most one wave of 132 SMs, but where the ladder picks
-  its smallest tile (16 x 16) over SMALLEST_TILE_STREAM_MIN_CONTRACTION (in NT
-  on at most half the SMs' programs, HALF_WAVE_NT_STREAM_MIN_CONTRACTION);
-  GEMMs of the H200 probes (benchmarks/results/h100.md, fifty-fifth to
-  fifty-eighth sections)."""
+  side) where those fill at most one wave of 132 SMs (above, up to LADDER_ROWS,
+  those of a share of the rows: matmul_plan.row_stream_tiles), but where the
+  ladder picks its smallest tile (16 x 16) over
+  SMALLEST_TILE_STREAM_MIN_CONTRACTION (in NT on at most half the SMs' programs,
+  HALF_WAVE_NT_STREAM_MIN_CONTRACTION); GEMMs of the H200 probes
+  (benchmarks/results/h100.md, fifty-fifth to fifty-eighth and sixty-eighth
+  sections)."""
   def tiles(rows, cols, contraction, layout=Layout.NN, **options):
     chosen = _plan(layout, rows, cols, contraction, **options)
     return chosen.tiles if chosen.kernel is Kernel.MOSAIC_GPU else None
