@@ -654,13 +654,9 @@ def mosaic_stream_tiles(layout: Layout, rows: int, cols: int, contraction: int, 
   if (rows > mosaic.LADDER_ROWS or contraction < least
       or not mosaic.transposed_takes(layout, out_dtype)):
     return None
-  if rows > STREAM_ROWS:
-    tiles = row_stream_tiles(rows, cols, num_sms)
-    if not tiles:
-      return None
-  else:
-    tiles = mosaic.stream_tiles(rows)
-  if not tiles.fits(rows, cols) or tiles.tile_count(rows, cols) > num_sms:
+  tiles = (row_stream_tiles(rows, cols, num_sms) if rows > STREAM_ROWS
+           else mosaic.stream_tiles(rows))
+  if not tiles or not tiles.fits(rows, cols) or tiles.tile_count(rows, cols) > num_sms:
     return None
   return pallas_triton.fit_stages(tiles, dtype, out_dtype)
 
