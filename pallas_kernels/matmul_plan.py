@@ -215,8 +215,22 @@ SYNC_LOAD_WIDE_WARPS = 8
 # (0.826x in geometric mean, all 12 dB over 73-393 tokens) and NN at 65-128 rows at 6
 # of 9 (0.876x); the 67 the rule pads won 1.228x (12 slower). At 44 GEMMs drawn after
 # the rule, 1.037x the speed of copying them all.
+# Over rows that are not whole words, the copies pay in NN and TN only over a
+# contraction of at least SPLIT_WORD_PAD_MIN_CONTRACTION (TN: tokens): below it the
+# padded GEMM is short beside the copies of its operands and of the sliced result,
+# and Triton's waiting loads cost few steps. In NT both operands' rows run along the
+# contraction and miss words, so Triton waits at every load of both, and the copies
+# pay from the shortest. On an H200 (benchmarks/results/h100.md, seventy-first
+# section), at 60 random such GEMMs over 67-974 indices that the copies took, they
+# ran 0.761x the unpadded Triton pick's speed in geometric mean in NN and TN under 512
+# indices (34 GEMMs, 28 slower; NN 0.898x, TN 0.686x), 1.32x from 512 up (11, one
+# slower), and in NT 1.94x (15, two slower); the bound makes the 45 NN and TN GEMMs
+# 1.23x as fast (the worst it declines: NN 2248 x 451 x 15712, copies 2.12x). At 24
+# drawn after the rule, 1.16x the speed of copying them all (the 12 it declines 1.35x,
+# one slower).
 PITCH_PAD_MIN_MACS = 1 << 28
 WHOLE_WORD_PAD_MIN_CONTRACTION = 1024
+SPLIT_WORD_PAD_MIN_CONTRACTION = 512
 # Up to STREAM_ROWS rows a single forward or dA over a contraction of at least
 # STREAM_MIN_CONTRACTION runs on the Mosaic GPU kernel's stream tiles
 # (hopper_matmul.stream_tiles) where their programs fit in one wave
@@ -406,7 +420,9 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
                       split_chunks: bool | None = None) -> Plan | None:
   """The plan of a single GEMM whose operands' rows miss 16 bytes
   (:func:`operand_rows_miss_pitch`) run on copies padded to 16-byte pitches, or None
-  where it is not taken: at least ``PITCH_PAD_MIN_MACS`` multiply-adds, and the plan
+  where it is not taken: at least ``PITCH_PAD_MIN_MACS`` multiply-adds, in NN and TN
+  over rows that are not whole words (:func:`rows_miss_words`) at least
+  ``SPLIT_WORD_PAD_MIN_CONTRACTION`` indices, and the plan
   of the padded sizes (:func:`pitch_padded_sizes`, the same ``contraction_chunk``) is
   the Mosaic GPU kernel's (so a Hopper GPU and 16-bit operands), its stream tiles of
   at most ``hopper_matmul.LADDER_ROWS`` rows (:func:`mosaic_stream_tiles`) only above
@@ -420,12 +436,14 @@ def pitch_padded_plan(layout: Layout, rows: int, cols: int, contraction: int, *,
   tiles' and at most GPU_ONE_ROW_OF_TILES. Zero padding adds zero products in the
   contraction's last step and columns that are sliced off, so the bits are those of
   the unpadded GEMM on any kernel."""
-  if rows * cols * contraction < PITCH_PAD_MIN_MACS:
+  words_missed = rows_miss_words(layout, rows, cols, contraction, dtype)
+  if rows * cols * contraction < PITCH_PAD_MIN_MACS or (
+      words_missed and layout is not Layout.NT
+      and contraction < SPLIT_WORD_PAD_MIN_CONTRACTION):
     return None
   sizes = pitch_padded_sizes(layout, rows, cols, contraction)
   padded = plan(layout, *sizes, dtype=dtype, out_dtype=out_dtype, device=device,
                 contraction_chunk=contraction_chunk or sizes[2], split_chunks=split_chunks)
-  words_missed = rows_miss_words(layout, rows, cols, contraction, dtype)
   sync_loads_above_shortest_tiles = rows > SMALLEST_LADDER_TILE[0] and words_missed
   if padded.kernel is Kernel.MOSAIC_GPU:
     # mosaic_stream_tiles' tiles (whole, or shares of 49-64 rows); stream tiles of more

@@ -1091,7 +1091,8 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
   PITCH_PAD_MIN_MACS multiply-adds and the plan of the padded sizes is the Mosaic
   GPU kernel's, its stream tiles of up to LADDER_ROWS rows
   (hopper_matmul.stream_tiles, whole or over shares of the rows) only above 16 rows
-  of odd length, operand rows of
+  of odd length, operand rows of odd length in NN and TN only over 512 indices or
+  more, operand rows of
   even length only over 1024 indices or more and, in NN, above 128 rows; or the
   Triton ladder's for an unchunked NT GEMM of 17-64 rows of odd length: that plan,
   with the unpadded GEMM's chunks (which padding does not move). A result whose
@@ -1108,11 +1109,12 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
           assert matmul_plan.fixed_contraction_chunk(layout, *sizes[1:]) == chunk
           padded = _plan(layout, *sizes, dtype=dtype, contraction_chunk=chunk or sizes[2])
           odd_rows = any(minor % 2 for minor in layout.minor_dims(rows, cols, contraction))
+          odd_rows_pay = odd_rows and (layout is Layout.NT or contraction >= 512)
           even_rows_pay = contraction >= 1024 and (layout is not Layout.NN or rows > 128)
           mosaic_pays = (padded.kernel is Kernel.MOSAIC_GPU
-                         and (rows > 16 and odd_rows
+                         and (rows > 16 and odd_rows_pay
                               or (not padded.tiles.streams or rows > hopper.LADDER_ROWS)
-                              and (odd_rows or even_rows_pay)))
+                              and (odd_rows_pay or even_rows_pay)))
           ladder_pays = (padded.kernel is Kernel.PALLAS_TRITON and layout is Layout.NT
                          and 16 < rows <= 64 and chunk is None and odd_rows)
           pays = (groups == 1 and dtype == bf16 and (mosaic_pays or ladder_pays)
@@ -1155,6 +1157,12 @@ def test_plan_pads_operand_rows_to_the_tma_pitch_where_it_pays():
   assert _plan(Layout.NN, 129, 4100, 4096).pitch_padded
   assert not _plan(Layout.NN, 128, 4100, 4096).pitch_padded
   assert _plan(Layout.NT, 100, 4100, 2050).pitch_padded
+  # Rows of odd length pay for the copies in NN and TN over 512 indices or more (dB:
+  # tokens), in NT over any.
+  for layout, rows, cols in ((Layout.NN, 1999, 1017), (Layout.TN, 4101, 4096)):
+    assert _plan(layout, rows, cols, 512).pitch_padded
+    assert not _plan(layout, rows, cols, 504).pitch_padded
+  assert _plan(Layout.NT, 4096, 4096, 129).pitch_padded
 
 
 @pytest.mark.parametrize("layout", list(Layout))
